@@ -1,0 +1,46 @@
+"""Engine configuration: one flat dataclass, so the HTTP layer can expose it as-is."""
+
+from dataclasses import dataclass
+
+from .models.tiny import default_model_path
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine (one replica).
+
+    KV memory comes from `kv_cache_memory_bytes` when set, else from
+    `kv_cache_memory_fraction` of the device memory; `num_gpu_blocks` overrides both
+    (tests use it to force preemption).
+    """
+
+    model: str = str(default_model_path())
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    kv_cache_dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    enable_continuous_batching: bool = True
+    attention_backend: str = "gather"
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must cover max_model_len")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be at least 1")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")

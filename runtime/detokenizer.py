@@ -1,0 +1,49 @@
+"""Incremental detokenization and stop strings.
+
+Text is decoded over a sliding window of tokens and released only when it does not
+end in U+FFFD, so a multi-byte character split across tokens is never emitted broken.
+A stop string may straddle tokens: text that could still be the start of one is held
+back until the next token settles it. The stop string itself is not returned.
+"""
+
+
+class IncrementalDetokenizer:
+    CONTEXT = 6   # prompt tokens decoded as left context, for tokenizers that strip spaces
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+        self._decode = tokenizer.decode
+        self._ids = list(prompt_token_ids[-self.CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.stop = list(stop or [])
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_id: int) -> None:
+        """Feed one generated token; sets `stopped` when a stop string appears."""
+        if self.stopped:
+            return
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+        new_text = self._decode(self._ids[self._prefix:], skip_special_tokens=True)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return
+        delta = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        before = len(self.text)
+        self.text += delta
+        if self.stop:
+            lo = max(0, before - self._hold)
+            hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i != -1]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+
+    def take(self, final: bool) -> str:
+        """Text not yet returned that is safe to return now."""
+        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._hold)
+        out = self.text[self._emitted:end]
+        self._emitted = end
+        return out

@@ -1,0 +1,252 @@
+"""The engine: requests in, one scheduled forward pass per `step()`, outputs out.
+
+`LLMEngine` is synchronous and single-threaded; `AsyncEngine` (async_engine.py) runs
+it on a background thread for servers.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import (DuplicateRequestError, EmptyPromptError, InvalidRequestError,
+                     PromptTooLongError, TokenOutOfVocabularyError)
+from .kv.block_manager import KVCacheManager
+from .kv.block_pool import device_memory_bytes, kv_bytes_per_block, num_blocks_for_budget
+from .model_runner import ModelRunner
+from .models.loader import activation_dtype, kv_geometry, load, max_context
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    sent: list[int] = field(default_factory=list)   # output tokens already returned, per seq
+
+    def __post_init__(self):
+        self.sent = [0] * len(self.seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model, self.tokenizer, self.model_config = load(config.model, config.trust_remote_code)
+        self._hf = self.tokenizer._tokenizer
+        self.vocab_size = self.model_config.get("vocab_size") or len(self._hf)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids or [])
+        self.max_model_len = config.max_model_len or max_context(self.model_config)
+
+        num_layers, kv_heads, head_dim = kv_geometry(self.model)
+        dtype = getattr(mx, config.kv_cache_dtype) if config.kv_cache_dtype else activation_dtype(self.model)
+        per_block = kv_bytes_per_block(num_layers, kv_heads, head_dim, dtype.size, config.block_size)
+        self.num_blocks = self._num_blocks(per_block)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
+                                  config.attention_backend)
+        self.runner.verify()
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.requests: dict[str, _Request] = {}
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        mx.random.seed(config.seed)
+        log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), backend %s",
+                 config.model, self.num_blocks, config.block_size,
+                 self.runner.pool.nbytes / 2**20, config.attention_backend)
+
+    def _num_blocks(self, per_block: int) -> int:
+        c = self.config
+        if c.num_gpu_blocks is not None:
+            return c.num_gpu_blocks
+        budget = c.kv_cache_memory_bytes or int(device_memory_bytes() * c.kv_cache_memory_fraction)
+        n = num_blocks_for_budget(budget, per_block)
+        # More than every sequence at full length (twice, for the prefix cache) is waste.
+        useful = 2 * c.max_num_seqs * -(-self.max_model_len // c.block_size)
+        return min(n, useful)
+
+    # -- requests ----------------------------------------------------------------
+    def _validate(self, prompt, prompt_token_ids, params: SamplingParams) -> list[int]:
+        params.validate(self.vocab_size)
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise EmptyPromptError()
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise EmptyPromptError()
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise TokenOutOfVocabularyError(t, self.vocab_size)
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        capacity = self.num_blocks * self.config.block_size
+        if len(prompt_token_ids) + params.max_tokens > capacity:
+            raise InvalidRequestError(
+                f"the request needs {len(prompt_token_ids) + params.max_tokens} tokens of KV "
+                f"cache, more than the {capacity} this replica holds", "max_tokens")
+        return prompt_token_ids
+
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a request. Raises a typed `InvalidRequestError` for bad input."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise DuplicateRequestError(request_id)
+        ids = self._validate(prompt, prompt_token_ids, params)
+        stops = params.stop
+        seqs = [Sequence(request_id, i, ids, params, priority, cache_salt) for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self._hf, ids, stops) for _ in seqs]
+        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, detoks)
+        for s in seqs:
+            self.scheduler.add(s)
+        self._counters["prompt_tokens"] += len(ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. False if it was unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.seqs:
+            self.scheduler.finish(s, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        sampled = self.runner.execute(sched.scheduled)
+        touched: dict[str, _Request] = {}
+        it = iter(sampled)
+        for s in sched.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_tokens
+            if not s.samples:
+                continue
+            tok = next(it)
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            self._append(req, seq, tok.token_id, tok.logprob)
+        return [self._output(r) for r in touched.values()]
+
+    def _append(self, req: _Request, seq: Sequence, token: int, logprob) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._counters["generation_tokens"] += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        detok = req.detoks[seq.index]
+        p = seq.params
+        reason = None
+        if token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason = "stop"
+        else:
+            detok.add(token)
+            if detok.stopped:
+                reason = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [self._completion(req, seq) for seq in req.seqs]
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+            self._counters["requests_finished"] += 1
+        cached = min(s.num_cached_tokens or 0 for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached)
+
+    def _completion(self, req: _Request, seq: Sequence) -> CompletionOutput:
+        toks = seq.output_token_ids
+        sent, req.sent[seq.index] = req.sent[seq.index], len(toks)
+        detok = req.detoks[seq.index]
+        lps = seq.logprobs if seq.params.logprobs is not None else None
+        delta_text = detok.take(seq.is_finished)
+        return CompletionOutput(
+            index=seq.index, text=detok.text, token_ids=toks,
+            logprobs=list(lps) if lps is not None else None,
+            finish_reason=seq.finish_reason,
+            delta_text=delta_text,
+            delta_token_ids=toks[sent:],
+            delta_logprobs=lps[sent:] if lps is not None else [],
+        )
+
+    # -- offline use ------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            rid = f"generate-{id(prompts)}-{i}"
+            if isinstance(p, str):
+                self.add_request(rid, p, sp)
+            else:
+                self.add_request(rid, None, sp, prompt_token_ids=p)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in ids]
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        usage = self.kv.usage()
+        pc = self.kv.cache.stats
+        held = usage.num_total_blocks - usage.num_free_blocks
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            "num_total_blocks": usage.num_total_blocks,
+            "num_free_blocks": usage.num_free_blocks,
+            "num_cached_blocks": usage.num_cached_blocks,
+            "num_blocks_held_by_requests": held,
+            "block_size": self.config.block_size,
+            "kv_cache_bytes_total": self.runner.pool.nbytes,
+            "kv_cache_bytes_in_use": held * self.runner.pool.bytes_per_block,
+            "kv_cache_usage": held / usage.num_total_blocks,
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_query_tokens": pc.query_tokens,
+            "prefix_cache_hit_tokens": pc.hit_tokens,
+            "prefix_cache_evictions": pc.evictions,
+            "prompt_tokens": self._counters["prompt_tokens"],
+            "generation_tokens": self._counters["generation_tokens"],
+            "requests_finished": self._counters["requests_finished"],
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,89 @@
+"""Per-sequence block allocation over the pool and the prefix cache.
+
+The scheduler asks three things of it: which leading blocks of a new sequence are
+already cached, whether (and then how) to give a sequence slots for its next tokens,
+and to free a finished or preempted sequence's blocks.
+"""
+
+from dataclasses import dataclass
+
+from ..sequence import Sequence
+from .block_pool import BlockPool
+from .prefix_cache import PrefixCache, extend_block_hashes
+
+
+@dataclass
+class BlockUsage:
+    num_total_blocks: int
+    num_free_blocks: int          # ref count 0, cached or not
+    num_cached_blocks: int        # blocks the prefix cache can still serve
+    num_used_blocks: int          # held by at least one sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = PrefixCache(self.pool, enable_prefix_caching)
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached leading blocks of a sequence that holds none. At least one token is
+        left to compute, because its logits are needed to sample."""
+        assert not seq.block_ids
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes(seq)[:max_blocks] if self.cache.enabled else []
+        return self.cache.lookup(hashes, seq.num_tokens, self.block_size)
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
+        total = seq.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
+        return -(-total // self.block_size) - len(seq.block_ids) - num_computed_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[int] = ()) -> bool:
+        """Reserve room for `num_new_tokens` after `computed_blocks` (cache hits, for a
+        sequence being admitted). False, with nothing changed, if the pool is short."""
+        need = self.num_blocks_needed(seq, num_new_tokens, len(computed_blocks))
+        # Touching a free cached block takes it out of the free queue too.
+        reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if need > self.pool.num_free - reclaimed:
+            return False
+        for b in computed_blocks:
+            self.pool.touch(b)
+        seq.block_ids.extend(computed_blocks)
+        seq.num_computed_tokens += len(computed_blocks) * self.block_size
+        seq.block_ids.extend(self.cache.allocate() for _ in range(max(need, 0)))
+        self._publish_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        return True
+
+    def _publish_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register blocks that are full once this step's tokens are written. Later
+        sequences in the same step may hit them: the forward pass writes every new
+        K/V of a layer before that layer's attention reads."""
+        if not self.cache.enabled:
+            return
+        full = num_tokens // self.block_size
+        if full <= seq.num_published_blocks:
+            return
+        hashes = self._hashes(seq)
+        for i in range(seq.num_published_blocks, full):
+            self.cache.insert(hashes[i], seq.block_ids[i])
+        seq.num_published_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks, tail first so the tail is evicted first."""
+        self.pool.release(reversed(seq.block_ids))
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+
+    def usage(self) -> BlockUsage:
+        free = self.pool.num_free
+        return BlockUsage(
+            num_total_blocks=self.pool.num_blocks,
+            num_free_blocks=free,
+            num_cached_blocks=len(self.cache),
+            num_used_blocks=self.pool.num_blocks - free,
+        )

@@ -1,0 +1,86 @@
+"""KV storage in MLX arrays, and the per-layer cache objects mlx-lm models talk to.
+
+`KVPool` preallocates one K and one V array per layer, shaped (num_blocks *
+block_size, kv_heads, head_dim): a block is `block_size` consecutive slots. New K/V
+are scattered into their slots in place (`pool[slots] = k`); attention reads them back
+through block tables, never concatenating per step.
+
+A model sees a `PagedLayerCache` per layer. Its batch is the packed token rows of one
+step, shaped (T, 1): every token is its own batch row, so `offset` is the (T,) vector
+of token positions, which `mx.fast.rope` takes per row. `update_and_fetch` writes the
+step's K/V into the pool; the attention hook then calls `attend`, which reads the pool.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..attention import AttentionMetadata, AttendFn, paged_attention
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: mx.Dtype, v_head_dim: int | None = None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        slots = num_blocks * block_size
+        self.keys = [mx.zeros((slots, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros((slots, num_kv_heads, v_head_dim or head_dim), dtype)
+                       for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
+    def arrays(self) -> list[mx.array]:
+        return self.keys + self.values
+
+
+@dataclass
+class StepContext:
+    """What every layer cache reads during one forward pass."""
+
+    meta: AttentionMetadata | None = None
+    attend_fn: AttendFn | None = None
+
+
+class PagedLayerCache:
+    """The mlx-lm cache interface (`offset`, `update_and_fetch`, `make_mask`) over one
+    layer of the pool. `attended` counts calls of `attend`, so the runner can tell
+    whether a model really routed its attention through us."""
+
+    def __init__(self, pool: KVPool, layer: int, ctx: StepContext):
+        self.pool = pool
+        self.layer = layer
+        self.ctx = ctx
+        self.attended = 0
+
+    @property
+    def offset(self) -> mx.array:
+        return self.ctx.meta.positions
+
+    def make_mask(self, *args, **kwargs):
+        return None  # masks come from the block tables, in `attend`
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        t, n_kv, _, d = keys.shape
+        slots = self.ctx.meta.slot_mapping
+        self.pool.keys[self.layer][slots] = keys.reshape(t, n_kv, d)
+        self.pool.values[self.layer][slots] = values.reshape(t, n_kv, values.shape[-1])
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        self.attended += 1
+        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
+                               self.ctx.meta, scale, self.ctx.attend_fn, sinks)
+
+    def empty(self) -> bool:
+        return False
+
+    def is_trimmable(self) -> bool:
+        return False

@@ -1,0 +1,133 @@
+"""One forward pass per step over a packed, ragged batch.
+
+The batch is the step's new tokens of every scheduled sequence, packed as (T, 1):
+decodes and prefill chunks share the pass, with no padding in the projections or the
+MLP. Positions, slots and block tables come from the sequences' block ids. Logits are
+computed only for the rows that sample: the last token of each sequence that reaches
+its end this step.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from .attention import build_metadata, get_backend, install_hook
+from .errors import UnsupportedModelError
+from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
+from .models.loader import kv_geometry
+from .outputs import Logprob
+from .sampling import sample
+from .scheduler import ScheduledSeq
+
+# Architectures whose `Model.__call__` is `model.model(...)` then the tied embedding or
+# `lm_head`; for them logits are computed for sampled rows only. Others run whole.
+_SPLIT_HEAD_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"}
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: Logprob | None
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: mx.Dtype,
+                 attention_backend: str = "gather"):
+        self.model = model
+        self.block_size = block_size
+        num_layers, kv_heads, head_dim = kv_geometry(model)
+        self.pool = KVPool(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
+        self.ctx = StepContext(attend_fn=get_backend(attention_backend))
+        self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
+        self.patched_modules = install_hook(model)
+        self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
+
+    # -- forward ---------------------------------------------------------
+    def _logits(self, inputs: mx.array, rows: mx.array, split_head: bool) -> mx.array:
+        if split_head:
+            h = self.model.model(inputs, cache=self.caches)[rows, 0]
+            if self.model.args.tie_word_embeddings:
+                return self.model.model.embed_tokens.as_linear(h)
+            return self.model.lm_head(h)
+        return self.model(inputs, cache=self.caches)[rows, 0]
+
+    def forward(self, scheduled: list[ScheduledSeq], split_head: bool | None = None) -> mx.array:
+        """Run the pass; returns lazy logits (S, V) for the sampling rows, in order."""
+        tables, starts, lengths, tokens, rows = [], [], [], [], []
+        t = 0
+        for s in scheduled:
+            end = s.start + s.num_tokens
+            tables.append(s.seq.block_ids[:-(-end // self.block_size)])
+            starts.append(s.start)
+            lengths.append(s.num_tokens)
+            tokens.extend(s.seq.token_ids[s.start:end])
+            t += s.num_tokens
+            if s.samples:
+                rows.append(t - 1)
+        self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size)
+        inputs = mx.array(np.asarray(tokens, dtype=np.int32)[:, None])
+        split = self._split_head if split_head is None else split_head
+        return self._logits(inputs, mx.array(rows, dtype=mx.int32), split)
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
+        """Forward, sample, and bring the sampled tokens to the host (one sync)."""
+        logits = self.forward(scheduled)
+        seqs = [s.seq for s in scheduled if s.samples]
+        if not seqs:
+            mx.eval(self.pool.arrays())
+            return []
+        res = sample(logits, seqs)
+        outs = [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+        mx.async_eval(*outs, *self.pool.arrays())
+        tokens = res.tokens.tolist()
+        if res.logprobs is None:
+            return [SampledToken(tok, None) for tok in tokens]
+        lps = res.logprobs.tolist()
+        top_ids = res.top_ids.tolist() if res.top_ids is not None else None
+        top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+        out = []
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            k = seq.params.logprobs
+            if k is None:
+                out.append(SampledToken(tok, None))
+                continue
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []
+            out.append(SampledToken(tok, Logprob(tok, lps[i], top)))
+        return out
+
+    # -- start-up self-check ---------------------------------------------------
+    def verify(self, atol: float = 1e-2) -> None:
+        """Run a 3-token sequence through the paged path (a 2-token prefill chunk, then
+        one decode) in block 0, and compare with mlx-lm's own cache. Catches models
+        whose attention bypasses the hook, and a head split that does not hold.
+        Block 0 is free at start-up, so nothing is disturbed."""
+        from .sampling_params import SamplingParams
+        from .sequence import Sequence
+
+        probe = [1, 2, 3]
+        ref = self.model(mx.array([probe]), cache=make_prompt_cache(self.model))[0].astype(mx.float32)
+        seq = Sequence("verify", 0, probe[:2], SamplingParams())
+        seq.block_ids = [0]
+        for c in self.caches:
+            c.attended = 0
+        got_prefill = self.forward([ScheduledSeq(seq, 2, 0)], split_head=False)
+        seq.token_ids.append(probe[2])
+        got_decode = self.forward([ScheduledSeq(seq, 1, 2)], split_head=False)
+        if any(c.attended != 2 for c in self.caches):
+            raise UnsupportedModelError(
+                f"{type(self.model).__module__}: attention does not go through mlx-lm's "
+                "scaled_dot_product_attention, so the paged KV cache cannot serve it")
+        scale = float(mx.abs(ref).max().item()) or 1.0
+        for got, want in ((got_prefill[0], ref[1]), (got_decode[0], ref[2])):
+            err = float(mx.abs(got.astype(mx.float32) - want).max().item()) / scale
+            if err > atol:
+                raise UnsupportedModelError(
+                    f"{type(self.model).__module__}: paged attention disagrees with mlx-lm "
+                    f"(relative error {err:.3g} > {atol}); the architecture is not supported")
+        if self._split_head:
+            split = self.forward([ScheduledSeq(seq, 1, 2)], split_head=True)[0]
+            err = float(mx.abs(split.astype(mx.float32) - got_decode[0].astype(mx.float32)).max().item())
+            if err / scale > atol:
+                self._split_head = False

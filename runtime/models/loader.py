@@ -1,0 +1,67 @@
+"""Load a model with mlx-lm and check that the paged engine can run it."""
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..errors import UnsupportedModelError
+
+
+def load(path_or_repo: str, trust_remote_code: bool = False):
+    """`mlx_lm.load` on a local directory or a hub repo id (`mlx-community/...`).
+    Returns (model, tokenizer wrapper, config dict)."""
+    from mlx_lm import load as mlx_load
+
+    if not Path(path_or_repo).exists() and "/" not in path_or_repo:
+        raise FileNotFoundError(f"model {path_or_repo!r} is neither a directory nor a hub repo id")
+    try:
+        model, tokenizer, config = mlx_load(
+            path_or_repo, return_config=True,
+            tokenizer_config={"trust_remote_code": trust_remote_code} if trust_remote_code else None)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise UnsupportedModelError(str(e)) from e
+        raise
+    check_supported(model, config)
+    return model, tokenizer, config
+
+
+def check_supported(model, config: dict) -> None:
+    """Only plain full-attention KV caches map onto blocks. Sliding-window, chunked,
+    quantized-KV and recurrent (SSM) caches are refused with a clear message."""
+    from mlx_lm.models.cache import KVCache
+
+    model_type = config.get("model_type", type(model).__module__)
+    caches = model.make_cache() if hasattr(model, "make_cache") else None
+    if caches is not None:
+        for i, c in enumerate(caches):
+            if type(c) is not KVCache:
+                raise UnsupportedModelError(
+                    f"model type {model_type!r} uses {type(c).__name__} at layer {i}; the paged "
+                    "engine supports full-attention KV caches only (no sliding-window or SSM state)")
+    if not hasattr(model, "layers") or not hasattr(model, "args"):
+        raise UnsupportedModelError(f"model type {model_type!r} does not expose layers and args")
+
+
+def kv_geometry(model) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) from the model's args."""
+    args = model.args
+    heads = args.num_attention_heads
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    return len(model.layers), kv_heads, head_dim
+
+
+def activation_dtype(model) -> mx.Dtype:
+    """The dtype K/V come out in: that of the first floating parameter (quantized
+    layers keep their scales in it)."""
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float16
+
+
+def max_context(config: dict) -> int:
+    text = config.get("text_config", config)
+    return int(text.get("max_position_embeddings") or 4096)

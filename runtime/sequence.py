@@ -1,0 +1,71 @@
+"""One sequence the scheduler moves through WAITING -> RUNNING -> FINISHED.
+
+A request with `n > 1` becomes n sequences that share the prompt's KV blocks through
+the prefix cache.
+"""
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from .outputs import Logprob
+from .sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    arrival: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)   # prompt + output
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    num_cached_tokens: int | None = None                  # prefix hit at first admission
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then arrival (FCFS)."""
+        return (self.priority, self.arrival)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
