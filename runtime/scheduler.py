@@ -20,6 +20,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from .attention import sort_key
 from .config import EngineConfig
 from .kv.block_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
@@ -142,8 +143,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, start))
             budget -= n
 
-        # The model runner wants one-token rows first.
-        out.scheduled.sort(key=lambda s: s.num_tokens != 1)
+        out.scheduled.sort(key=lambda s: sort_key(s.num_tokens, s.start + s.num_tokens))
         return out
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:

@@ -14,7 +14,7 @@ from typing import Callable
 import mlx.core as mx
 
 from . import gather
-from .metadata import AttentionMetadata, GroupMetadata, build_metadata
+from .metadata import AttentionMetadata, GroupMetadata, build_metadata, sort_key
 
 AttendFn = Callable[..., mx.array]
 
@@ -30,20 +30,17 @@ def get_backend(name: str) -> AttendFn:
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,
                     scale: float, attend: AttendFn, sinks: mx.array | None = None) -> mx.array:
-    """q: (T, H, 1, D) packed rows -> (T, H, 1, D)."""
+    """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group."""
     outs = []
-    ns = meta.num_single
-    if meta.single is not None:
-        outs.append(attend(q[:ns], k_pool, v_pool, meta.single, scale, meta.block_size, sinks))
-    if meta.multi is not None:
-        g = meta.multi
-        rows = q[ns:, :, 0, :]                                   # (Tm, H, D)
-        if g.query_rows is None:
-            qm = rows[None]                                       # one sequence
-        else:
-            qm = rows[g.query_rows]                               # (B, Lq, H, D)
-        out = attend(qm.transpose(0, 2, 1, 3), k_pool, v_pool, g, scale, meta.block_size, sinks)
-        out = out.transpose(0, 2, 1, 3)                           # (B, Lq, H, D)
+    for g in meta.groups:
+        rows = q[g.row_start:g.row_end]                           # (Tg, H, 1, D)
+        if g.single_query:
+            outs.append(attend(rows, k_pool, v_pool, g, scale, meta.block_size, sinks))
+            continue
+        rows = rows[:, :, 0, :]                                   # (Tg, H, D)
+        qg = rows[None] if g.query_rows is None else rows[g.query_rows]   # (B, Lq, H, D)
+        out = attend(qg.transpose(0, 2, 1, 3), k_pool, v_pool, g, scale, meta.block_size, sinks)
+        out = out.transpose(0, 2, 1, 3)
         out = out.reshape(-1, *out.shape[2:])
         if g.out_rows is not None:
             out = out[g.out_rows]
@@ -82,4 +79,4 @@ def install_hook(model) -> list[str]:
 
 
 __all__ = ["AttentionMetadata", "GroupMetadata", "build_metadata", "get_backend",
-           "install_hook", "paged_attention", "BACKENDS"]
+           "install_hook", "paged_attention", "sort_key", "BACKENDS"]

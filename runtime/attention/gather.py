@@ -22,6 +22,4 @@ def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetada
     """q: (B, H, Lq, D) -> (B, H, Lq, D)."""
     k = gather_kv(k_pool, g.block_tables, block_size)
     v = gather_kv(v_pool, g.block_tables, block_size)
-    keys = mx.arange(k.shape[2])
-    mask = (keys[None, None, :] <= g.query_pos[:, :, None])[:, None]
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=g.mask, sinks=sinks)

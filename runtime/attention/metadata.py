@@ -1,9 +1,12 @@
 """Per-step attention inputs, built once by the model runner and shared by all layers.
 
-Rows of the packed batch are tokens. Sequences with one new token (decodes, and
-one-token prefill chunks) come first, as the "single" group; sequences with several
-new tokens (prefill chunks) follow, as the "multi" group. Each group is attended with
-one batched call, so no Python loop runs over sequences inside a layer.
+Rows of the packed batch are tokens. Sequences are cut into groups that are attended
+with one batched call each, so no Python loop runs over sequences inside a layer:
+sequences with one new token (decodes, one-token chunks) first, then sequences with
+several (prefill chunks). Within a kind, sequences come sorted by context length,
+longest first, and a new group starts where the context falls below half the
+group's longest: padding to the longest then wastes at most half of a group's
+attention work, with a handful of groups per step.
 """
 
 from dataclasses import dataclass
@@ -11,23 +14,28 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+SPLIT_RATIO = 0.5
+
 
 @dataclass
 class GroupMetadata:
-    """A group of sequences attended together.
+    """Sequences attended together; their packed rows are [row_start, row_end).
 
     `block_tables` is (B, max_blocks) block ids, padded with block 0; `query_pos` is
-    (B, Lq) the position of each query token (padding queries sit at position 0);
-    `context_lens` is (B,) the number of valid keys. `query_rows` maps the (B, Lq)
-    query layout onto the group's packed rows, `out_rows` maps packed rows back; both
-    are None when the layout already is the packed order (one token each, or one
-    sequence).
+    (B, Lq) the position of each query (padding queries sit at position 0);
+    `context_lens` is (B,) the number of valid keys; `mask` (B, 1, Lq, max_blocks *
+    block_size) is true where a query may attend a key. `query_rows` maps the (B, Lq)
+    layout onto the group's rows and `out_rows` maps back; both are None when every
+    sequence has one query or there is one sequence (the layout is the packed order).
     """
 
+    row_start: int
+    row_end: int
     block_tables: mx.array
     query_pos: mx.array
     context_lens: mx.array
     max_context_len: int
+    mask: mx.array
     query_rows: mx.array | None = None
     out_rows: mx.array | None = None
 
@@ -35,76 +43,75 @@ class GroupMetadata:
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
 
+    @property
+    def single_query(self) -> bool:
+        return self.query_pos.shape[1] == 1
+
 
 @dataclass
 class AttentionMetadata:
     positions: mx.array          # (T,) rope offset of each packed token
     slot_mapping: mx.array       # (T,) flat KV slot each new token is written to
-    num_single: int              # rows [0, num_single) are one-token sequences
-    single: GroupMetadata | None
-    multi: GroupMetadata | None
+    groups: list[GroupMetadata]
     block_size: int
 
 
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+def sort_key(num_tokens: int, context_len: int) -> tuple[bool, int]:
+    """The order the runner needs its sequences in."""
+    return (num_tokens != 1, -context_len)
+
+
+def _group_bounds(lengths: list[int], ctx: np.ndarray) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or (lengths[i] == 1) != (lengths[start] == 1) \
+                or ctx[i] < SPLIT_RATIO * ctx[start]:
+            bounds.append((start, i))
+            start = i
+    return bounds
+
+
+def _group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
+    n = len(lengths)
     width = max(len(t) for t in tables)
-    out = np.zeros((len(tables), width), dtype=np.int32)
+    bt = np.zeros((n, width), dtype=np.int32)
     for i, t in enumerate(tables):
-        out[i, :len(t)] = t
-    return out
+        bt[i, :len(t)] = t
+    lq = max(lengths)
+    qpos = np.zeros((n, lq), dtype=np.int32)
+    for i, (s, m) in enumerate(zip(starts, lengths)):
+        qpos[i, :m] = np.arange(s, s + m)
+    qrows = out_rows = None
+    if lq > 1 and n > 1:
+        q = np.zeros((n, lq), dtype=np.int32)
+        o = np.empty(sum(lengths), dtype=np.int32)
+        r = 0
+        for i, m in enumerate(lengths):
+            q[i, :m] = np.arange(r, r + m)
+            o[r:r + m] = i * lq + np.arange(m)
+            r += m
+        qrows, out_rows = mx.array(q), mx.array(o)
+    qpos_m = mx.array(qpos)
+    keys = mx.arange(width * block_size)
+    return GroupMetadata(
+        row_start=row0, row_end=row0 + sum(lengths),
+        block_tables=mx.array(bt), query_pos=qpos_m,
+        context_lens=mx.array(ctx.astype(np.int32)), max_context_len=int(ctx.max()),
+        mask=(keys[None, None, :] <= qpos_m[:, :, None])[:, None],
+        query_rows=qrows, out_rows=out_rows,
+    )
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
                    block_size: int) -> AttentionMetadata:
-    """Sequences must come ordered single group first (`lengths[i] == 1`)."""
-    num_single = 0
-    while num_single < len(lengths) and lengths[num_single] == 1:
-        num_single += 1
+    """Sequences must come in `sort_key` order."""
     positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, lengths)])
     slots = np.empty_like(positions)
-    row = 0
-    for table, s, n in zip(block_tables, starts, lengths):
-        pos = positions[row:row + n]
-        slots[row:row + n] = np.asarray(table, dtype=np.int32)[pos // block_size] * block_size + pos % block_size
-        row += n
-
-    single = multi = None
-    if num_single:
-        s = np.asarray(starts[:num_single], dtype=np.int32)
-        single = GroupMetadata(
-            block_tables=mx.array(_pad_tables(block_tables[:num_single])),
-            query_pos=mx.array(s[:, None]),
-            context_lens=mx.array(s + 1),
-            max_context_len=int(s.max()) + 1,
-        )
-    if num_single < len(lengths):
-        m_lens = lengths[num_single:]
-        m_starts = starts[num_single:]
-        width = max(m_lens)
-        qpos = np.zeros((len(m_lens), width), dtype=np.int32)
-        qrows = np.zeros((len(m_lens), width), dtype=np.int32)
-        out_rows = np.empty(sum(m_lens), dtype=np.int32)
-        r = 0
-        for i, (s, n) in enumerate(zip(m_starts, m_lens)):
-            qpos[i, :n] = np.arange(s, s + n)
-            qrows[i, :n] = np.arange(r, r + n)
-            out_rows[r:r + n] = i * width + np.arange(n)
-            r += n
-        ctx = np.asarray(m_starts, dtype=np.int32) + np.asarray(m_lens, dtype=np.int32)
-        packed = len(m_lens) == 1
-        multi = GroupMetadata(
-            block_tables=mx.array(_pad_tables(block_tables[num_single:])),
-            query_pos=mx.array(qpos),
-            context_lens=mx.array(ctx),
-            max_context_len=int(ctx.max()),
-            query_rows=None if packed else mx.array(qrows),
-            out_rows=None if packed else mx.array(out_rows),
-        )
-    return AttentionMetadata(
-        positions=mx.array(positions),
-        slot_mapping=mx.array(slots),
-        num_single=num_single,
-        single=single,
-        multi=multi,
-        block_size=block_size,
-    )
+    ctx = np.asarray(starts, dtype=np.int64) + np.asarray(lengths, dtype=np.int64)
+    row_of = np.concatenate([[0], np.cumsum(lengths)])
+    for table, r0, r1 in zip(block_tables, row_of[:-1], row_of[1:]):
+        pos = positions[r0:r1]
+        slots[r0:r1] = np.asarray(table, dtype=np.int32)[pos // block_size] * block_size + pos % block_size
+    groups = [_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size)
+              for a, b in _group_bounds(lengths, ctx)]
+    return AttentionMetadata(mx.array(positions), mx.array(slots), groups, block_size)

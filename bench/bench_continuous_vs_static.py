@@ -1,0 +1,222 @@
+"""Static batching vs our continuous batching vs mlx-lm's `BatchGenerator`, one process.
+
+Each system serves the same closed-loop workload: `streams` clients, each sending
+its next request as soon as the previous one finishes, `--requests-per-stream` each.
+Prompts and outputs have mixed lengths (or fixed ones with `--fixed`). EOS is ignored,
+so every request produces exactly its output length. Reported per system and stream
+count: output tok/s, TTFT p50/p95 and peak memory, plus ratios against mlx-lm.
+
+    python bench/bench_continuous_vs_static.py                     # embedded model, CPU-sized
+    python bench/bench_continuous_vs_static.py --model llama-1b --fixed \\
+        --prompt-len 512 --gen-len 128 --streams 1 8 32 64 128 256   # the GPU run
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from runtime.models.tiny import default_model_path, make_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# A random-weight model shaped like Llama-3.2-1B (bf16), for the GPU measurements.
+LLAMA_1B = dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, vocab_size=128256,
+                dtype="bfloat16", context=8192)
+
+
+def resolve_model(name: str) -> str:
+    if name == "default":
+        return str(default_model_path())
+    if name == "llama-1b":
+        out = Path(tempfile.gettempdir()) / "mlx-paged-serve-llama-1b"
+        if not (out / "config.json").exists():
+            make_model_fast(out, **LLAMA_1B)
+        return str(out)
+    return name
+
+
+def make_model_fast(out: Path, vocab_size: int, **spec) -> None:
+    """Like `make_model`, but with the big vocabulary set straight in the config: a
+    BPE trained to 128k merges on our small corpus is impossible, and the weights'
+    shapes are all the benchmark needs. Token ids above the tokenizer's are fine."""
+    make_model(out, vocab_size=512, **{**spec, "tie": True})
+    from mlx_lm.utils import _get_classes, save_config, save_model
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["vocab_size"] = vocab_size
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.set_dtype(getattr(mx, spec.get("dtype", "float32")))
+    mx.eval(model.parameters())
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    save_model(out, model)
+    save_config(cfg, out / "config.json")
+
+
+def workload(n_requests: int, args, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n_requests):
+        if args.fixed:
+            p, g = args.prompt_len, args.gen_len
+        else:
+            p = rng.randint(max(1, args.prompt_len // 4), args.prompt_len * 7 // 4)
+            g = rng.randint(max(1, args.gen_len // 4), args.gen_len * 7 // 4)
+        reqs.append(([rng.randrange(3, vocab) for _ in range(p)], g))
+    return reqs
+
+
+def summarize(name, streams, reqs, ttfts, total_out, wall, peak):
+    t = np.array(ttfts)
+    return {
+        "system": name, "streams": streams, "requests": len(reqs),
+        "output_tokens": total_out, "wall_s": wall,
+        "output_tok_s": total_out / wall,
+        "ttft_p50_s": float(np.percentile(t, 50)), "ttft_p95_s": float(np.percentile(t, 95)),
+        "peak_memory_gb": peak / 1e9,
+    }
+
+
+def run_ours(engine: LLMEngine, reqs, streams: int, name: str):
+    pending = list(enumerate(reqs))
+    submit, first, out_tokens = {}, {}, 0
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+
+    def launch():
+        i, (prompt, gen) = pending.pop(0)
+        rid = f"b{i}"
+        engine.add_request(rid, None, SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
+                           prompt_token_ids=prompt)
+        submit[rid] = time.perf_counter()
+
+    for _ in range(min(streams, len(pending))):
+        launch()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            now = time.perf_counter()
+            first.setdefault(o.request_id, now)
+            if o.finished:
+                out_tokens += len(o.outputs[0].token_ids)
+                if pending:
+                    launch()
+    wall = time.perf_counter() - t0
+    ttfts = [first[r] - submit[r] for r in submit]
+    return summarize(name, streams, reqs, ttfts, out_tokens, wall, mx.get_peak_memory())
+
+
+def run_mlx_lm(model, reqs, streams: int):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=max(streams, 1),
+                         prefill_batch_size=min(8, streams))
+    pending = list(reqs)
+    submit, first, out_tokens = {}, {}, 0
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+
+    def launch():
+        prompt, g = pending.pop(0)
+        (uid,) = gen.insert([prompt], [g])
+        submit[uid] = time.perf_counter()
+
+    for _ in range(min(streams, len(pending))):
+        launch()
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            first.setdefault(r.uid, now)
+            out_tokens += 1
+            if r.finish_reason is not None and pending:
+                launch()
+    wall = time.perf_counter() - t0
+    gen.close()
+    ttfts = [first[u] - submit[u] for u in submit]
+    return summarize("mlx_lm.BatchGenerator", streams, reqs, ttfts, out_tokens, wall, mx.get_peak_memory())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="'default', 'llama-1b' (random, bf16) or a path")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--fixed", action="store_true", help="all prompts and outputs the same length")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-gb", type=float, default=2.0)
+    ap.add_argument("--systems", nargs="+", default=["static", "continuous", "mlx_lm"])
+    ap.add_argument("--out", default=str(RESULTS / "continuous_vs_static_cpu.json"))
+    args = ap.parse_args(argv)
+
+    path = resolve_model(args.model)
+    top = max(args.streams)
+    cfg = dict(model=path, max_num_seqs=max(top, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
+    engines = {}
+    if "continuous" in args.systems:
+        engines["continuous"] = LLMEngine(EngineConfig(**cfg))
+    if "static" in args.systems:
+        engines["static"] = LLMEngine(EngineConfig(**cfg, enable_continuous_batching=False))
+    model = next(iter(engines.values())).model if engines else None
+    if model is None:
+        from mlx_lm import load
+        model, _ = load(path)
+    vocab = model.args.vocab_size
+    warm = workload(4, argparse.Namespace(fixed=True, prompt_len=32, gen_len=8), vocab, seed=99)
+    for name, eng in engines.items():
+        run_ours(eng, warm, 4, name)
+    if "mlx_lm" in args.systems:
+        run_mlx_lm(model, warm, 4)
+
+    rows = []
+    for streams in args.streams:
+        reqs = workload(streams * args.requests_per_stream, args, vocab, seed=streams)
+        for name in args.systems:
+            if name == "mlx_lm":
+                row = run_mlx_lm(model, reqs, streams)
+            else:
+                eng = engines[name]
+                eng.kv.cache.reset()           # no warm prefix cache across runs
+                row = run_ours(eng, reqs, streams, f"ours-{name}")
+            rows.append(row)
+            print(f"{row['system']:>24} streams={streams:<4} {row['output_tok_s']:9.1f} tok/s  "
+                  f"TTFT p50 {row['ttft_p50_s']:.3f}s p95 {row['ttft_p95_s']:.3f}s  "
+                  f"peak {row['peak_memory_gb']:.2f} GB", flush=True)
+
+    print()
+    hdr = f"{'streams':>7} | {'system':>24} | {'out tok/s':>10} | {'vs mlx-lm':>9} | {'TTFT p50':>9} | {'TTFT p95':>9} | {'peak GB':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ref = next((x for x in rows if x["streams"] == r["streams"] and x["system"].startswith("mlx_lm")), None)
+        ratio = r["output_tok_s"] / ref["output_tok_s"] if ref else float("nan")
+        r["throughput_vs_mlx_lm"] = ratio
+        print(f"{r['streams']:>7} | {r['system']:>24} | {r['output_tok_s']:>10.1f} | {ratio:>8.2f}x | "
+              f"{r['ttft_p50_s']:>8.3f}s | {r['ttft_p95_s']:>8.3f}s | {r['peak_memory_gb']:>7.2f}")
+
+    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
+            "mlx": mx.__version__, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "fixed": args.fixed, "requests_per_stream": args.requests_per_stream}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""`AsyncEngine`: the engine on one background thread, for asyncio servers.
+
+The thread owns all MLX work: it builds the `LLMEngine`, and runs its step loop.
+Callers talk to it through a command queue; outputs come back to each caller's event
+loop. Cancelling a `generate()` iterator (a client went away) aborts the request and
+frees its blocks. If the loop dies, every waiter gets `EngineDeadError` and
+`check_health()` raises, so the replica can be restarted.
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .errors import EngineDeadError, RequestAbortedError
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+@dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed; nobody is listening
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 600.0):
+        self.config = config or EngineConfig()
+        self._commands: queue.Queue = queue.Queue()
+        self._waiters: dict[str, _Waiter] = {}
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._stats: dict = {}
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout):
+            raise TimeoutError("engine did not start in time")
+        if self._error is not None:
+            raise self._error
+
+    # -- public API -----------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None,
+                       request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield a `RequestOutput` whenever the request has new tokens; the last one has
+        `finished=True`. Invalid input raises the engine's typed error on first iteration."""
+        self.check_health()
+        request_id = request_id or f"req-{next(_ids)}"
+        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(("add", request_id, waiter, dict(
+            prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
+            priority=priority, cache_salt=cache_salt)))
+        finished = False
+        try:
+            while True:
+                item = await waiter.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id, None, None))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None, None))
+
+    def stats(self) -> dict:
+        """The latest snapshot, refreshed after every step and every command."""
+        return dict(self._stats)
+
+    def check_health(self) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"engine loop stopped: {self._error!r}")
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._waiters)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(("stop", None, None, None))
+        self._thread.join(timeout)
+
+    # -- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+            self._stats = self.engine.stats()
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stopping:
+                busy = self.engine.has_unfinished_requests()
+                self._drain(block=not busy)
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as e:
+            log.exception("engine loop died")
+            self._error = e
+            dead = EngineDeadError(f"engine loop stopped: {e!r}")
+            for w in self._waiters.values():
+                w.put(dead)
+            self._waiters.clear()
+            return
+        gone = RequestAbortedError("the engine shut down")
+        for w in self._waiters.values():
+            w.put(gone)
+        self._waiters.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._stats = self.engine.stats()
+
+    def _handle(self, kind, request_id, waiter, kwargs) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"), **kwargs)
+            except Exception as e:
+                waiter.put(e)
+                return
+            self._waiters[request_id] = waiter
+        elif kind == "abort":
+            self.engine.abort(request_id)
+            self._waiters.pop(request_id, None)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            w = self._waiters.get(out.request_id)
+            if w is None:
+                continue
+            w.put(out)
+            if out.finished:
+                del self._waiters[out.request_id]

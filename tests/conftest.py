@@ -1,0 +1,46 @@
+"""Shared fixtures: small models made offline, and an mlx-lm reference to compare with."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import mlx.core as mx  # noqa: E402
+
+from runtime.models.tiny import default_model_path, make_model  # noqa: E402
+
+MODEL_SPECS = {
+    "llama": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384, seed=1),
+    "qwen3": dict(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=1, vocab_size=384, seed=2,
+                  tie=False),
+    "llama-4bit": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384,
+                       seed=3, quantize=4),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Random-weight models with GQA, llama and qwen3, and a 4-bit quantized one."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: str(make_model(root / name, **spec)) for name, spec in MODEL_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    return str(default_model_path())
+
+
+def reference_greedy(model, prompt_ids, max_tokens):
+    """mlx-lm's own greedy decode: [(token, logprobs over the vocab)] per step."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for tok, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens,
+                                       sampler=lambda lp: mx.argmax(lp, axis=-1)):
+        out.append((int(tok), logprobs.astype(mx.float32)))
+        if len(out) == max_tokens:
+            break
+    return out

@@ -1,0 +1,121 @@
+"""Every engine path gives mlx-lm's greedy tokens, and its logprobs within tolerance.
+
+Tolerance: |ours - mlx-lm| <= 2e-4 on the sampled token's logprob and on the top-5
+logprobs, for float32 models (4e-3 for the 4-bit model, whose dequantized matmuls
+reduce in another order). Random-weight models repeat tokens, so the logprob check is
+what catches a wrong-but-plausible path.
+"""
+
+import random
+
+import pytest
+
+from runtime import EngineConfig, LLMEngine, SamplingParams
+
+from .conftest import reference_greedy
+
+TOL = {"llama": 2e-4, "qwen3": 2e-4, "llama-4bit": 4e-3}
+MAX_TOKENS = 12
+
+
+def _params(n=MAX_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=n, logprobs=5, ignore_eos=True)
+
+
+def _check(engine, out, prompt_ids, tol, max_tokens=MAX_TOKENS):
+    ref = reference_greedy(engine.model, prompt_ids, max_tokens)
+    got = out.outputs[0]
+    assert got.token_ids == [t for t, _ in ref], "greedy tokens differ from mlx-lm"
+    for lp, (tok, ref_lp) in zip(got.logprobs, ref):
+        assert abs(lp.logprob - ref_lp[tok].item()) <= tol
+        for t, v in lp.top:
+            assert abs(v - ref_lp[t].item()) <= tol
+        # our top-5 really are mlx-lm's top-5
+        ref_top = sorted(range(ref_lp.shape[0]), key=lambda i: -ref_lp[i].item())[:5]
+        assert {t for t, _ in lp.top} == set(ref_top) or \
+            abs(sorted(v for _, v in lp.top)[0] - ref_lp[ref_top[-1]].item()) <= tol
+
+
+def _prompt(rng, n, vocab=384):
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-4bit"])
+def arch(request, model_dirs):
+    return request.param, model_dirs[request.param]
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 15, 16, 17, 32, 33, 50])
+def test_single_prompt_lengths(arch, length):
+    name, path = arch
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, block_size=16))
+    ids = _prompt(random.Random(length), length)
+    out = engine.generate([ids], _params())[0]
+    _check(engine, out, ids, TOL[name])
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
+
+
+def test_concurrent_staggered_prefix_chunked_preempted(arch):
+    """20 requests, admitted at staggered steps, sharing prefixes, with a small token
+    budget (chunked prefill) and a pool too small for all of them (preemption)."""
+    name, path = arch
+    rng = random.Random(7)
+    shared = _prompt(rng, 40)
+    prompts = []
+    for i in range(20):
+        tail = _prompt(rng, rng.randrange(1, 30))
+        prompts.append(shared[: rng.choice([0, 16, 32, 40])] + tail)
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=24, block_size=8,
+                                    max_num_batched_tokens=24, max_num_seqs=16))
+    outs = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 2 == 0:
+            for _ in range(rng.randrange(1, 4)):
+                if pending:
+                    i, p = pending.pop(0)
+                    engine.add_request(f"r{i}", None, _params(), prompt_token_ids=p)
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+    s = engine.stats()
+    assert s["preemptions"] > 0, "the pool was meant to force preemption"
+    assert s["prefix_cache_hit_tokens"] > 0
+    assert s["num_blocks_held_by_requests"] == 0
+    for i, p in enumerate(prompts):
+        _check(engine, outs[f"r{i}"], p, TOL[name])
+
+
+def test_prompt_ending_on_block_boundary_hits_cache(model_dirs):
+    path = model_dirs["llama"]
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, block_size=16))
+    ids = _prompt(random.Random(3), 48)          # exactly 3 blocks
+    first = engine.generate([ids], _params())[0]
+    second = engine.generate([ids], _params())[0]
+    # all but the last block can be reused: one token must be computed for logits
+    assert second.num_cached_tokens == 32
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    _check(engine, second, ids, TOL["llama"])
+
+
+def test_static_batching_matches(model_dirs):
+    path = model_dirs["qwen3"]
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=128, enable_continuous_batching=False,
+                                    max_num_seqs=4))
+    rng = random.Random(11)
+    prompts = [_prompt(rng, rng.randrange(1, 40)) for _ in range(6)]
+    outs = engine.generate(prompts, _params())
+    for p, o in zip(prompts, outs):
+        _check(engine, o, p, TOL["qwen3"])
+
+
+def test_unchunked_prefill_matches(model_dirs):
+    path = model_dirs["llama"]
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=128, enable_chunked_prefill=False,
+                                    max_num_batched_tokens=4096, max_model_len=4096))
+    rng = random.Random(5)
+    prompts = [_prompt(rng, rng.randrange(1, 60)) for _ in range(5)]
+    for p, o in zip(prompts, engine.generate(prompts, _params())):
+        _check(engine, o, p, TOL["llama"])

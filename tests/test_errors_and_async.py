@@ -1,0 +1,143 @@
+"""Typed errors for bad input, unsupported models, and the async engine's lifecycle."""
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from runtime import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from runtime.errors import (EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError,
+                            TokenOutOfVocabularyError, UnsupportedModelError, DuplicateRequestError)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128))
+
+
+@pytest.mark.parametrize("kwargs, exc", [
+    (dict(prompt=""), EmptyPromptError),
+    (dict(prompt_token_ids=[]), EmptyPromptError),
+    (dict(prompt="x" * 400), PromptTooLongError),
+    (dict(prompt="hi", params=SamplingParams(max_tokens=0)), InvalidSamplingParamsError),
+    (dict(prompt="hi", params=SamplingParams(max_tokens=200)), PromptTooLongError),
+    (dict(prompt="hi", params=SamplingParams(temperature=-1)), InvalidSamplingParamsError),
+    (dict(prompt="hi", params=SamplingParams(top_p=1.5)), InvalidSamplingParamsError),
+    (dict(prompt="hi", params=SamplingParams(logprobs=21)), InvalidSamplingParamsError),
+    (dict(prompt="hi", params=SamplingParams(n=0)), InvalidSamplingParamsError),
+    (dict(prompt="hi", params=SamplingParams(logit_bias={99999: 1})), InvalidSamplingParamsError),
+    (dict(prompt="hi", params=SamplingParams(stop=["a"] * 17)), InvalidSamplingParamsError),
+    (dict(prompt_token_ids=[1, 10**6]), TokenOutOfVocabularyError),
+    (dict(prompt_token_ids=[-1]), TokenOutOfVocabularyError),
+])
+def test_bad_requests_raise_typed_errors(engine, kwargs, exc):
+    params = kwargs.pop("params", SamplingParams(max_tokens=4))
+    with pytest.raises(exc) as info:
+        engine.add_request("bad", kwargs.pop("prompt", None), params, **kwargs)
+    assert str(info.value)
+    assert not engine.has_unfinished_requests()
+
+
+def test_context_overflow_message_names_the_numbers(engine):
+    with pytest.raises(PromptTooLongError, match="maximum context length is 128"):
+        engine.add_request("long", None, SamplingParams(max_tokens=100), prompt_token_ids=[5] * 50)
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    engine.abort("dup")
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
+
+
+def test_sliding_window_model_is_refused(tmp_path, default_model):
+    path = tmp_path / "swa"
+    shutil.copytree(default_model, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="RotatingKVCache"):
+        LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=8))
+
+
+def test_unknown_architecture_is_refused(tmp_path, default_model):
+    path = tmp_path / "weird"
+    shutil.copytree(default_model, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "no_such_arch"
+    cfg.pop("architectures")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="no_such_arch"):
+        LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=8))
+
+
+@pytest.fixture(scope="module")
+def async_engine(default_model):
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=128))
+    yield eng
+    eng.shutdown()
+
+
+def test_async_generate_streams_and_matches_sync(async_engine, engine):
+    p = SamplingParams(temperature=0, max_tokens=20)
+
+    async def run():
+        outs = [o async for o in async_engine.generate("The baker", p)]
+        return outs
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and len(outs) > 1
+    want = engine.generate(["The baker"], p)[0].outputs[0]
+    assert outs[-1].outputs[0].token_ids == want.token_ids
+    assert "".join(o.outputs[0].delta_text for o in outs) == want.text
+
+
+def test_async_cancel_frees_blocks(async_engine):
+    p = SamplingParams(temperature=0.8, max_tokens=1500, ignore_eos=True)
+
+    async def run():
+        agen = async_engine.generate(prompt_token_ids=list(range(5, 100)), params=p)
+        n = 0
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()
+        for _ in range(200):
+            s = async_engine.stats()
+            if s["running"] == 0 and s["num_blocks_held_by_requests"] == 0:
+                return s
+            await asyncio.sleep(0.01)
+        return async_engine.stats()
+
+    s = asyncio.run(run())
+    assert s["running"] == 0 and s["waiting"] == 0
+    assert s["num_blocks_held_by_requests"] == 0
+
+
+def test_async_errors_surface_to_the_caller(async_engine):
+    async def run():
+        async for _ in async_engine.generate("", SamplingParams()):
+            pass
+
+    with pytest.raises(EmptyPromptError):
+        asyncio.run(run())
+    async_engine.check_health()
+
+
+def test_async_many_concurrent(async_engine):
+    p = SamplingParams(temperature=0, max_tokens=8)
+
+    async def one(i):
+        last = None
+        async for o in async_engine.generate(f"Question {i}: what", p):
+            last = o
+        return last
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(24)))
+
+    outs = asyncio.run(run())
+    assert all(o.finished and len(o.outputs[0].token_ids) <= 8 for o in outs)

@@ -1,0 +1,112 @@
+"""Sampling parameters, detokenization and stop conditions on the real engine."""
+
+import pytest
+
+from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=256))
+
+
+PROMPT = "The river ran quietly past the old"
+
+
+def test_seed_is_reproducible_inside_any_batch(engine):
+    p = SamplingParams(temperature=1.0, max_tokens=20, seed=1234)
+    alone = engine.generate([PROMPT], p)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=20) for _ in range(5)]
+    batch = engine.generate([PROMPT, "Hello", "The baker", PROMPT, "Numbers", PROMPT],
+                            [others[0], others[1], others[2], p, others[3], others[4]])
+    assert batch[3].outputs[0].token_ids == alone
+    other_seed = engine.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=20, seed=99))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(engine):
+    greedy = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=15))[0].outputs[0]
+    k1 = engine.generate([PROMPT], SamplingParams(temperature=2.0, top_k=1, max_tokens=15))[0].outputs[0]
+    p0 = engine.generate([PROMPT], SamplingParams(temperature=2.0, top_p=1e-6, max_tokens=15))[0].outputs[0]
+    mp = engine.generate([PROMPT], SamplingParams(temperature=2.0, min_p=0.999, max_tokens=15))[0].outputs[0]
+    assert k1.token_ids == greedy.token_ids == p0.token_ids == mp.token_ids
+
+
+def test_logit_bias_forces_and_bans(engine):
+    tok = engine.tokenizer.encode(" apples")[-1]
+    out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5,
+                                                   logit_bias={tok: 100}))[0].outputs[0]
+    assert out.token_ids == [tok] * 5
+    greedy = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0]
+    banned = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1,
+                                                      logit_bias={greedy.token_ids[0]: -100}))
+    assert banned[0].outputs[0].token_ids != greedy.token_ids
+
+
+def test_penalties_discourage_repeats(model_dirs):
+    """Random-weight models repeat tokens under greedy decoding; each penalty must cut that."""
+    eng = LLMEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64))
+    prompt = [7, 8, 9, 10]
+    plain = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    plain = plain[0].outputs[0].token_ids
+    top = max(set(plain), key=plain.count)
+    assert plain.count(top) >= 4, "the reference output should repeat a token"
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 5.0}):
+        p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kw)
+        toks = eng.generate([prompt], p)[0].outputs[0].token_ids
+        assert max(toks.count(t) for t in set(toks)) < plain.count(top), kw
+
+
+def test_logprobs_shape(engine):
+    out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == tok     # greedy picks the top token
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_stop_string_straddling_tokens(engine):
+    full = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    assert "miller" in full
+    out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=["mil", "zzz"]))[0]
+    o = out.outputs[0]
+    assert o.finish_reason == "stop"
+    assert o.text == full[: full.index("mil")]
+
+
+def test_stop_token_eos_and_length(engine):
+    p = SamplingParams(temperature=0, max_tokens=3)
+    o = engine.generate([PROMPT], p)[0].outputs[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 3
+    first = o.token_ids[0]
+    o2 = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[first]))[0]
+    assert o2.outputs[0].finish_reason == "stop" and o2.outputs[0].token_ids == [first]
+    eos = next(iter(engine.eos_token_ids))
+    o3 = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100}))[0]
+    assert o3.outputs[0].finish_reason == "stop" and o3.outputs[0].text == ""
+
+
+def test_streamed_deltas_add_up(engine):
+    engine.add_request("s", PROMPT, SamplingParams(temperature=0, max_tokens=25, stop=["daughter"]))
+    text, toks = "", []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text += o.outputs[0].delta_text
+            toks += o.outputs[0].delta_token_ids
+            last = o
+    assert text == last.outputs[0].text and toks == last.outputs[0].token_ids
+
+
+def test_detokenizer_never_emits_broken_utf8(engine):
+    text = "naïve café — 日本語 ✓"
+    ids = engine.tokenizer.encode(text)
+    d = IncrementalDetokenizer(engine.tokenizer._tokenizer, [], [])
+    pieces = []
+    for t in ids:
+        d.add(t)
+        pieces.append(d.take(final=False))
+    pieces.append(d.take(final=True))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
