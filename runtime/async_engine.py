@@ -12,6 +12,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -22,6 +23,8 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+HASH_SNAPSHOT_PERIOD_S = 0.5
+HASH_SNAPSHOT_LIMIT = 8192
 _ids = itertools.count()
 
 
@@ -45,6 +48,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stopping = False
         self._stats: dict = {}
+        self._hashes: list[bytes] = []
+        self._hashes_at = 0.0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
@@ -100,6 +105,11 @@ class AsyncEngine:
         """The latest snapshot, refreshed after every step and every command."""
         return dict(self._stats)
 
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Prefix-cache block hashes, most recently cached first (a snapshot at most
+        `HASH_SNAPSHOT_PERIOD_S` old)."""
+        return self._hashes[:limit]
+
     def check_health(self) -> None:
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"engine loop stopped: {self._error!r}")
@@ -130,6 +140,9 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                 self._stats = self.engine.stats()
+                if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
+                    self._hashes = self.engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)
+                    self._hashes_at = time.monotonic()
         except BaseException as e:
             log.exception("engine loop died")
             self._error = e

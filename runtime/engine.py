@@ -4,6 +4,7 @@
 it on a background thread for servers.
 """
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -224,6 +225,10 @@ class LLMEngine:
         return [done[r] for r in ids]
 
     # -- introspection -------------------------------------------------------------------
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` prefix-cache block hashes, most recently cached first."""
+        return list(itertools.islice(reversed(self.kv.cache.cached_hashes()), limit))
+
     def stats(self) -> dict:
         usage = self.kv.usage()
         pc = self.kv.cache.stats

@@ -1,0 +1,101 @@
+"""The Ray Serve application: `serve run configs/config.yaml` builds it with `build_app`.
+
+No `from __future__ import annotations` here: Serve reads the builder's annotation to
+turn the config's `args` into `AppArgs`.
+"""
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from runtime.models.tiny import default_model_path
+
+from .ingress import OpenAIIngress
+from .llm_server import LLMServer
+
+
+class EngineArgs(BaseModel):
+    """Engine knobs; see `runtime.EngineConfig`."""
+
+    model_config = ConfigDict(extra="forbid")
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    kv_cache_memory_fraction: float = 0.3
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    enable_continuous_batching: bool = True
+    attention_backend: str = "gather"
+    seed: int = 0
+
+
+class DeploymentArgs(BaseModel):
+    """Ray Serve options of one deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_replicas: Optional[int] = 1
+    autoscaling_config: Optional[dict[str, Any]] = None
+    max_ongoing_requests: Optional[int] = None
+    max_queued_requests: int = -1
+    max_replicas_per_node: Optional[int] = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    request_router_config: Optional[dict[str, Any]] = None
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 20.0
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: str = Field(default_factory=lambda: str(default_model_path()),
+                       description="a model directory or a hub repo id (mlx-community/...)")
+    served_model_name: Optional[str] = None
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    llm_server: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(
+        max_ongoing_requests=256, ray_actor_options={"num_cpus": 1}))
+    ingress: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.2}))
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth")
+    api_keys_env: str = "MLX_PAGED_SERVE_API_KEYS"
+    max_request_body_bytes: int = 1 << 20
+    max_prompt_tokens: Optional[int] = None
+    default_max_tokens: int = 256
+    retry_after_s: int = 1
+    health_timeout_s: float = 5.0
+
+
+def _options(d: DeploymentArgs) -> dict:
+    opts = d.model_dump(exclude_none=True)
+    if d.autoscaling_config:
+        opts.pop("num_replicas", None)
+    return opts
+
+
+def build_app(args: AppArgs) -> serve.Application:
+    if isinstance(args, dict):
+        args = AppArgs.model_validate(args)
+    model = args.model
+    if Path(model).exists():
+        model = str(Path(model).resolve())
+    keys = list(args.api_keys)
+    env_keys = os.environ.get(args.api_keys_env, "")
+    keys += [k.strip() for k in env_keys.split(",") if k.strip()]
+    name = args.served_model_name or (Path(model).name if Path(model).exists() else model)
+    engine = {"model": model, **args.engine.model_dump(exclude_none=True)}
+    settings = {
+        "model": model, "served_model_name": name, "api_keys": keys,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "max_prompt_tokens": args.max_prompt_tokens, "default_max_tokens": args.default_max_tokens,
+        "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
+        "created": int(time.time()),
+    }
+    server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server))
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress))
+    return ingress.bind(server.bind(engine), settings)

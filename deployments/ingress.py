@@ -1,0 +1,437 @@
+"""`OpenAIIngress`: the OpenAI-compatible HTTP front, a Ray Serve deployment.
+
+It validates requests with pydantic, applies the chat template and tokenizes (the
+router needs token ids), then streams from `LLMServer` replicas through a
+`DeploymentHandle` and writes JSON or server-sent events with starlette. Every error
+is an OpenAI error body with the right status, never a stack trace.
+"""
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from functools import lru_cache
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.errors import InvalidRequestError, PromptTooLongError
+
+from .metrics import Metrics, RequestTimer
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+log = logging.getLogger("ray.serve")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.type, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+def _validation_error(e: ValidationError) -> HTTPError:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()) if not isinstance(x, int)) or None
+    msg = err.get("msg", "invalid request")
+    if err.get("type") == "extra_forbidden":
+        msg = f"unknown field {loc!r}"
+    elif loc:
+        msg = f"{loc}: {msg}"
+    return HTTPError(400, msg, param=loc)
+
+
+def tenant_salt(api_key: str) -> str:
+    """Prefix-cache salt derived on the server from the caller's API key."""
+    return hashlib.sha256(b"mlx-paged-serve-tenant:" + api_key.encode()).hexdigest()[:32]
+
+
+class OpenAIIngress:
+    def __init__(self, llm_server, settings: dict):
+        self.llm = llm_server
+        self.s = settings
+        self.model_name = settings["served_model_name"]
+        self.api_keys = [k.encode() for k in settings.get("api_keys") or []]
+        self.tokenizer = _load_tokenizer(settings["model"])
+        self.metrics = Metrics(self.model_name)
+        self._info: dict | None = None
+
+    # -- plumbing -----------------------------------------------------------------------
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.llm.model_info.remote()
+        return self._info
+
+    def _check_auth(self, request: Request) -> str | None:
+        """Returns the caller's API key (None when keys are off); compares in constant time."""
+        if not self.api_keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        ok = False
+        for k in self.api_keys:
+            ok |= hmac.compare_digest(key, k)
+        if not ok:
+            raise HTTPError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+        return key.decode()
+
+    async def _body(self, request: Request, model_cls):
+        limit = self.s["max_request_body_bytes"]
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise HTTPError(413, f"request body of {len(raw)} bytes exceeds the limit of {limit}")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise HTTPError(400, "the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        try:
+            body = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if body.model != self.model_name:
+            raise HTTPError(404, f"the model {body.model!r} does not exist; this server serves "
+                                 f"{self.model_name!r}", param="model", code="model_not_found")
+        return body
+
+    def _salt(self, body, api_key: str | None) -> str | None:
+        if api_key is not None:
+            base = tenant_salt(api_key)
+            return base if not body.cache_salt else f"{base}:{body.cache_salt}"
+        return body.cache_salt
+
+    async def _check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Validates length and vocabulary; returns the effective max_tokens."""
+        info = await self.info()
+        limit = min(info["max_model_len"], self.s["max_prompt_tokens"] or info["max_model_len"])
+        if not ids:
+            raise HTTPError(400, "the prompt is empty", param="prompt")
+        if len(ids) > limit:
+            raise HTTPError(400, f"the prompt has {len(ids)} tokens, more than the limit of "
+                                 f"{limit}", param="prompt", code="context_length_exceeded")
+        bad = next((t for t in ids if not 0 <= t < info["vocab_size"]), None)
+        if bad is not None:
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary [0, {info['vocab_size']})",
+                            param="prompt")
+        room = info["max_model_len"] - len(ids)
+        if max_tokens is None:
+            max_tokens = min(self.s["default_max_tokens"], room)
+            if max_tokens < 1:
+                err = PromptTooLongError(len(ids), 1, info["max_model_len"])
+                raise HTTPError(400, str(err), param="prompt", code="context_length_exceeded")
+        elif max_tokens > room:
+            err = PromptTooLongError(len(ids), max_tokens, info["max_model_len"])
+            raise HTTPError(400, str(err), param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    async def _stream(self, ids: list[int], params, body, salt):
+        """Start one engine request; returns (first item, generator). Errors, including
+        backpressure, surface here, before any byte is sent."""
+        from ray.serve.exceptions import BackPressureError
+
+        gen = self.llm.options(stream=True).generate.remote(ids, params, body.priority, salt)
+        try:
+            first = await gen.__anext__()
+        except BackPressureError:
+            raise HTTPError(503, "the server is overloaded; retry shortly", type_="server_error",
+                            code="overloaded", headers={"Retry-After": str(self.s["retry_after_s"])})
+        if isinstance(first, dict) and "error" in first:
+            e = first["error"]
+            raise HTTPError(400, e["message"], param=e.get("param"), code=e.get("code"))
+        return first, gen
+
+    # -- HTTP entry point -----------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
+        path, method = request.url.path, request.method
+        root = request.scope.get("root_path") or ""
+        if root and path.startswith(root):
+            path = path[len(root):]
+        path = path.rstrip("/")
+        try:
+            if path == "/health" and method == "GET":
+                return await self.health()
+            if path == "/metrics" and method == "GET":
+                return await self.metrics_endpoint()
+            api_key = self._check_auth(request)
+            if path == "/v1/models" and method == "GET":
+                return JSONResponse(self.models())
+            if path == "/v1/completions" and method == "POST":
+                return await self.completions(await self._body(request, CompletionRequest), api_key)
+            if path == "/v1/chat/completions" and method == "POST":
+                return await self.chat(await self._body(request, ChatCompletionRequest), api_key)
+            raise HTTPError(404, f"no route for {method} {request.url.path}", code="not_found")
+        except HTTPError as e:
+            self.metrics.errors.labels(self.model_name, str(e.status)).inc()
+            return e.response()
+        except InvalidRequestError as e:
+            self.metrics.errors.labels(self.model_name, "400").inc()
+            return HTTPError(400, str(e), param=e.param).response()
+        except Exception:
+            log.exception("request failed")
+            self.metrics.errors.labels(self.model_name, "500").inc()
+            return HTTPError(500, "internal error; the request was not completed",
+                             type_="server_error").response()
+
+    async def health(self) -> Response:
+        try:
+            stats = await asyncio.wait_for(self.llm.stats.remote(), self.s["health_timeout_s"])
+        except Exception:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        self.metrics.replicas.update(stats)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self) -> Response:
+        try:
+            self.metrics.replicas.update(await asyncio.wait_for(self.llm.stats.remote(), 5.0))
+        except Exception:
+            pass  # serve what we have
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": self.s["created"], "owned_by": "mlx-paged-serve",
+                                            "root": self.s["model"]}]}
+
+    # -- /v1/completions ------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, api_key: str | None) -> Response:
+        prompts = body.prompts()
+        if body.stream and len(prompts) > 1:
+            raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
+        if body.best_of not in (None, body.n):
+            raise HTTPError(400, "best_of is not supported", param="best_of")
+        jobs = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            max_tokens = await self._check_prompt(ids, body.max_tokens)
+            jobs.append((p, ids, body.sampling_params(max_tokens, body.logprobs)))
+        salt = self._salt(body, api_key)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            p, ids, params = jobs[0]
+            first, gen = await self._stream(ids, params, body, salt)
+            echo = self._prompt_text(p) if body.echo else None
+            return _sse(self._completion_events(rid, created, body, ids, first, gen, echo))
+        started = []
+        try:
+            for _, ids, params in jobs:
+                started.append(await self._stream(ids, params, body, salt))
+        except BaseException:
+            for _, gen in started:
+                gen.cancel()
+            raise
+        finals = await asyncio.gather(*(_drain(first, gen, RequestTimer(self.metrics), self.metrics)
+                                        for first, gen in started))
+        choices, usage = [], _Usage()
+        for j, ((p, ids, _), out) in enumerate(zip(jobs, finals)):
+            usage.add(out)
+            prefix = self._prompt_text(p) if body.echo else ""
+            for o in out.outputs:
+                choices.append({"index": j * body.n + o.index, "text": prefix + o.text,
+                                "logprobs": self._completion_logprobs(o.logprobs, len(prefix)),
+                                "finish_reason": o.finish_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": self.model_name, "choices": choices, "usage": usage.body()})
+
+    async def _completion_events(self, rid, created, body, ids, first, gen, echo):
+        timer = RequestTimer(self.metrics)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        offsets = [0] * body.n
+        if echo:
+            for i in range(body.n):
+                yield {**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
+        last = None
+        async for out in _chain(first, gen):
+            last = out
+            timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
+            for o in out.outputs:
+                if not (o.delta_text or o.delta_token_ids or o.finish_reason):
+                    continue
+                lp = self._completion_logprobs(o.delta_logprobs, offsets[o.index]) \
+                    if body.logprobs is not None else None
+                offsets[o.index] += len(o.delta_text)
+                yield {**base, "choices": [{"index": o.index, "text": o.delta_text, "logprobs": lp,
+                                            "finish_reason": o.finish_reason}]}
+        self._finish(timer, last)
+        if include_usage:
+            yield {**base, "choices": [], "usage": _Usage().add(last).body()}
+
+    # -- /v1/chat/completions ---------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, api_key: str | None) -> Response:
+        try:
+            k = body.logprobs_k()
+        except ValueError as e:
+            raise HTTPError(400, str(e), param="top_logprobs") from None
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+        except Exception as e:
+            raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
+        params = body.sampling_params(max_tokens, k)
+        first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return _sse(self._chat_events(rid, created, body, first, gen))
+        out = await _drain(first, gen, RequestTimer(self.metrics), self.metrics)
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
+                    "finish_reason": o.finish_reason} for o in out.outputs]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": self.model_name, "choices": choices,
+                             "usage": _Usage().add(out).body()})
+
+    async def _chat_events(self, rid, created, body, first, gen):
+        timer = RequestTimer(self.metrics)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        for i in range(body.n):
+            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        last = None
+        async for out in _chain(first, gen):
+            last = out
+            timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
+            for o in out.outputs:
+                if not (o.delta_text or o.delta_token_ids or o.finish_reason):
+                    continue
+                delta = {"content": o.delta_text} if o.delta_text else {}
+                lp = self._chat_logprobs(o.delta_logprobs) if body.logprobs else None
+                yield {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": lp,
+                                            "finish_reason": o.finish_reason}]}
+        self._finish(timer, last)
+        if include_usage:
+            yield {**base, "choices": [], "usage": _Usage().add(last).body()}
+
+    # -- helpers -----------------------------------------------------------------------
+    def _finish(self, timer: RequestTimer, out) -> None:
+        if out is None:
+            return
+        self.metrics.replicas.update(getattr(out, "engine_stats", None))
+        timer.done(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
+                   [o.finish_reason for o in out.outputs])
+
+    def _prompt_text(self, p) -> str:
+        return p if isinstance(p, str) else self.tokenizer.decode(p)
+
+    @lru_cache(maxsize=65536)
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, lps, offset: int = 0):
+        if lps is None:
+            return None
+        tokens, offsets = [], []
+        for lp in lps:
+            offsets.append(offset)
+            piece = self._piece(lp.token_id)
+            tokens.append(piece)
+            offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._piece(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, lps):
+        if lps is None:
+            return None
+
+        def entry(t, v):
+            piece = self._piece(t)
+            return {"token": piece, "logprob": v, "bytes": list(piece.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+class _Usage:
+    def __init__(self):
+        self.prompt = self.completion = self.cached = 0
+
+    def add(self, out):
+        if out is not None:
+            self.prompt += len(out.prompt_token_ids)
+            self.completion += sum(len(o.token_ids) for o in out.outputs)
+            self.cached += out.num_cached_tokens
+        return self
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+
+async def _chain(first, gen):
+    """The first item, then the rest. Leaving early (the client went away) cancels the
+    replica's stream, which aborts the engine request and frees its blocks."""
+    done = False
+    try:
+        yield first
+        if not getattr(first, "finished", False):
+            async for item in gen:
+                yield item
+        done = True
+    finally:
+        if not done:
+            gen.cancel()
+
+
+async def _drain(first, gen, timer: RequestTimer, metrics: Metrics):
+    last = None
+    async for out in _chain(first, gen):
+        timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
+        last = out
+    metrics.replicas.update(getattr(last, "engine_stats", None))
+    timer.done(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs),
+               [o.finish_reason for o in last.outputs])
+    return last
+
+
+def _sse(events) -> StreamingResponse:
+    async def body():
+        try:
+            async for ev in events:
+                yield f"data: {json.dumps(ev)}\n\n"
+            yield "data: [DONE]\n\n"
+        except Exception as e:
+            log.exception("stream failed")
+            err = error_body("the stream was interrupted by a server error", "server_error")
+            if isinstance(e, HTTPError):
+                err = error_body(str(e), e.type, e.param, e.code)
+            yield f"data: {json.dumps(err)}\n\n"
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _load_tokenizer(model: str):
+    """The tokenizer alone (no weights), from a directory or a hub repo."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer
+
+    path = Path(model)
+    if not path.exists():
+        from huggingface_hub import snapshot_download
+        path = Path(snapshot_download(model, allow_patterns=["*.json", "*.model", "*.txt", "*.jinja",
+                                                             "*.tiktoken", "tokenizer*"]))
+    return load_tokenizer(path)

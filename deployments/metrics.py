@@ -1,0 +1,119 @@
+"""Prometheus metrics for `GET /metrics`, named `mlx_paged_serve:` + vLLM's suffixes
+so dashboards built for vLLM map over.
+
+Latency histograms and token counters are observed at the ingress, where the client's
+view of time is. Engine gauges and counters come from each `LLMServer` replica's
+latest stats snapshot (sent along with every finished request and on each scrape),
+summed over the replicas heard from recently.
+"""
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+P = "mlx_paged_serve:"
+_LAT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+        10.0, 20.0, 40.0, 80.0)
+STALE_AFTER_S = 120.0
+
+
+class _ReplicaStats:
+    """A prometheus collector over the latest snapshot of each replica."""
+
+    GAUGES = {
+        "num_requests_running": ("running", "Requests running on the engines."),
+        "num_requests_waiting": ("waiting", "Requests waiting for the engines."),
+        "kv_cache_usage_perc": ("kv_cache_usage", "Fraction of KV blocks held by requests (mean over replicas)."),
+        "kv_cache_bytes_in_use": ("kv_cache_bytes_in_use", "KV bytes held by requests."),
+        "num_free_blocks": ("num_free_blocks", "Free KV blocks (cached or not)."),
+        "num_cached_blocks": ("num_cached_blocks", "Blocks the prefix cache can serve."),
+    }
+    COUNTERS = {
+        "prefix_cache_queries": ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
+        "prefix_cache_hits": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+        "prefix_cache_query_requests": ("prefix_cache_queries", "Prefix-cache lookups."),
+        "prefix_cache_hit_requests": ("prefix_cache_hits", "Lookups that hit at least one block."),
+        "num_preemptions": ("preemptions", "Sequences preempted for lack of KV blocks."),
+    }
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshots: dict[str, tuple[float, dict]] = {}
+
+    def update(self, stats: dict | None) -> None:
+        if stats and stats.get("replica_id"):
+            self.snapshots[stats["replica_id"]] = (time.monotonic(), stats)
+
+    def collect(self):
+        now = time.monotonic()
+        live = [s for t, s in self.snapshots.values() if now - t < STALE_AFTER_S]
+        labels = ["model_name"]
+        for name, (key, doc) in self.GAUGES.items():
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            vals = [s.get(key, 0) for s in live]
+            value = (sum(vals) / len(vals) if vals else 0.0) if name == "kv_cache_usage_perc" else sum(vals)
+            g.add_metric([self.model_name], value)
+            yield g
+        for name, (key, doc) in self.COUNTERS.items():
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c.add_metric([self.model_name], sum(s.get(key, 0) for s in live))
+            yield c
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        lab = ["model_name"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=_LAT, registry=self.registry)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", lab,
+                             buckets=_LAT, registry=self.registry)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, end to end.", lab,
+                             buckets=_LAT, registry=self.registry)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", lab,
+                                     registry=self.registry)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", lab,
+                                         registry=self.registry)
+        self.success = Counter(P + "request_success", "Finished requests.", lab + ["finished_reason"],
+                               registry=self.registry)
+        self.errors = Counter(P + "request_errors", "Requests answered with an error.", lab + ["status"],
+                              registry=self.registry)
+        self.replicas = _ReplicaStats(model_name)
+        self.registry.register(self.replicas)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes TTFT, inter-token latency and e2e for one request."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.start = self.last = time.monotonic()
+        self.first = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        name = self.m.model_name
+        if self.first is None:
+            self.first = now
+            self.m.ttft.labels(name).observe(now - self.start)
+            n -= 1
+        if n > 0:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.m.itl.labels(name).observe(gap)
+        self.last = now
+
+    def done(self, prompt_tokens: int, completion_tokens: int, reasons: list[str | None]) -> None:
+        name = self.m.model_name
+        self.m.e2e.labels(name).observe(time.monotonic() - self.start)
+        self.m.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.m.generation_tokens.labels(name).inc(completion_tokens)
+        for r in reasons:
+            self.m.success.labels(name, r or "abort").inc()

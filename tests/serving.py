@@ -1,0 +1,82 @@
+"""Start and stop a real `serve run` for tests, on 127.0.0.1 and a free port."""
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_env() -> dict:
+    env = dict(os.environ)
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+class ServeRun:
+    """`serve run CONFIG` in its own process group; `base_urls[app]` once ready."""
+
+    def __init__(self, applications: list[dict], timeout: float = 180.0):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="mps-serve-")
+        cfg = {"proxy_location": "HeadOnly",
+               "http_options": {"host": "127.0.0.1", "port": self.port},
+               "applications": applications}
+        self.config = Path(self.dir) / "config.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.log = open(Path(self.dir) / "serve.log", "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(["serve", "run", str(self.config)], cwd=ROOT, env=serve_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.urls = {a["name"]: self.base + a["route_prefix"].rstrip("/") for a in applications}
+        deadline = t0 + timeout
+        pending = set(self.urls.values())
+        while pending and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve run exited: {self.tail()}")
+            for url in list(pending):
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)
+        if pending:
+            self.stop()
+            raise TimeoutError(f"serve run not ready in {timeout}s: {self.tail()}")
+        self.startup_s = time.monotonic() - t0
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        return (Path(self.dir) / "serve.log").read_text()[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def app(name: str, route_prefix: str, **args) -> dict:
+    return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_app",
+            "args": args}

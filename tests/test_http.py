@@ -1,0 +1,284 @@
+"""The real app under `serve run`, driven by the official `openai` client and httpx."""
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from runtime import EngineConfig, LLMEngine, SamplingParams
+
+from .serving import ServeRun, app
+
+KEY = "sk-test-tenant-a"
+MODEL = "default"
+
+
+@pytest.fixture(scope="module")
+def server():
+    small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
+    srv = ServeRun([
+        app("main", "/", served_model_name=MODEL, engine=small,
+            llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5},
+                        "max_ongoing_requests": 64},
+            ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
+            max_request_body_bytes=64 << 10),
+        app("secure", "/secure", served_model_name=MODEL, engine=small, api_keys=[KEY, "sk-other"],
+            llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5},
+                        "max_ongoing_requests": 1, "max_queued_requests": 1},
+            ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}),
+    ])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.urls["main"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=512))
+
+
+def test_startup_time_is_reasonable(server):
+    print(f"serve run ready in {server.startup_s:.1f}s")
+    assert server.startup_s < 120
+
+
+def test_models_list(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+
+
+def test_completion_matches_engine(client, engine):
+    prompt = "The baker rose before the sun to"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_stream_matches(client, engine):
+    prompt = "A library is a quiet place where"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                            stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert text == want.text and len(chunks) > 3
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_token_prompt_list_and_echo(client):
+    r = client.completions.create(model=MODEL, prompt=[[260, 283, 81], [260]], max_tokens=5,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    e = client.completions.create(model=MODEL, prompt="The river", max_tokens=5, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("The river") and len(e.choices[0].text) > len("The river")
+
+
+def test_chat_matches_engine(client, engine):
+    msgs = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What does the baker need?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = engine.generate([list(ids)], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_chat_stream_with_usage_and_content_parts(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_n_two(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
+                                  temperature=1.0, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, n=2)
+    assert len(c.choices) == 2
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The river", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.top_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].top_logprobs[0].logprob == content[0].logprob   # greedy takes the top
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    stop = "mill"
+    assert stop in text
+    r = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop)]
+
+
+def test_seed_reproducible(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0, seed=42)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    c = client.completions.create(**{**kw, "seed": 7}).choices[0].text
+    assert a == b and a != c
+
+
+def _post(server, path, body, app="main", headers=None):
+    return httpx.post(server.urls[app] + path, json=body, headers=headers, timeout=60)
+
+
+def _assert_error(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    return err
+
+
+def test_error_classes(server):
+    base = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    r = httpx.post(server.urls["main"] + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    _assert_error(r, 400)
+    assert _assert_error(_post(server, "/v1/completions", {**base, "temperature": "hot"}), 400)["param"] == "temperature"
+    _assert_error(_post(server, "/v1/completions", {**base, "max_tokens": -3}), 400)
+    _assert_error(_post(server, "/v1/completions", {**base, "bogus": 1}), 400)
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "response_format": {"type": "json_object"}}), 400)
+    err = _assert_error(_post(server, "/v1/completions", {**base, "model": "gpt-9"}), 404)
+    assert err["code"] == "model_not_found"
+    err = _assert_error(_post(server, "/v1/completions", {**base, "prompt": "word " * 5000}), 400)
+    assert err["code"] == "context_length_exceeded" and re.search(r"\d+", err["message"])
+    _assert_error(_post(server, "/v1/completions", {**base, "prompt": "x" * (70 << 10)}), 413)
+    _assert_error(httpx.get(server.urls["main"] + "/v1/nothing"), 404)
+
+
+def test_context_overflow_names_limit_and_numbers(server):
+    err = _assert_error(_post(server, "/v1/completions",
+                              {"model": MODEL, "prompt": [5] * 4000, "max_tokens": 500}), 400)
+    assert "4096" in err["message"] and "4000" in err["message"] and "500" in err["message"]
+
+
+def test_api_keys(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    _assert_error(_post(server, "/v1/completions", body, app="secure"), 401)
+    _assert_error(_post(server, "/v1/completions", body, app="secure",
+                        headers={"Authorization": "Bearer wrong"}), 401)
+    ok = _post(server, "/v1/completions", body, app="secure", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+    c = openai.OpenAI(base_url=server.urls["secure"] + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+def test_backpressure_gives_503_with_retry_after(server):
+    async def one(cl):
+        return await cl.post(server.urls["secure"] + "/v1/completions",
+                             json={"model": MODEL, "prompt": "The river", "max_tokens": 200,
+                                   "ignore_eos": True},
+                             headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+    async def run():
+        async with httpx.AsyncClient() as cl:
+            return await asyncio.gather(*(one(cl) for _ in range(8)))
+
+    rs = asyncio.run(run())
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 503 in codes, codes
+    r503 = next(r for r in rs if r.status_code == 503)
+    assert r503.headers.get("retry-after")
+    _assert_error(r503, 503)
+
+
+def _metric(text, name):
+    m = re.search(rf"^mlx_paged_serve:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "The river", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.urls["main"] + "/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                n += 1
+            if n >= 5:
+                break
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(server.urls["main"] + "/metrics").text
+        if _metric(text, "num_requests_running") == 0 and _metric(text, "kv_cache_bytes_in_use") == 0:
+            break
+        time.sleep(0.5)
+    assert _metric(text, "num_requests_running") == 0
+    assert _metric(text, "kv_cache_bytes_in_use") == 0
+
+
+def test_metrics_after_traffic(server, client):
+    prompt = "The river ran quietly past the old mill, and the miller's daughter counted the boats " * 2
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    text = httpx.get(server.urls["main"] + "/metrics").text
+    assert _metric(text, "time_to_first_token_seconds_count") > 0
+    assert _metric(text, "e2e_request_latency_seconds_count") > 0
+    assert _metric(text, "inter_token_latency_seconds_count") > 0
+    assert _metric(text, "prefix_cache_hits_total") > 0
+    assert _metric(text, "prefix_cache_queries_total") >= _metric(text, "prefix_cache_hits_total")
+    assert _metric(text, "generation_tokens_total") > 0
+    assert _metric(text, "num_preemptions_total") is not None
+    assert _metric(text, "kv_cache_usage_perc") is not None
+    assert _metric(text, "num_requests_waiting") is not None
+
+
+def test_cached_tokens_in_usage(client):
+    prompt = "Question: Who fixed the clock? Answer: A young mechanic fixed the clock. " * 3
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_health(server):
+    assert httpx.get(server.urls["main"] + "/health").json() == {"status": "ok"}
+
+
+def test_shipped_config_serves_the_default_model():
+    """configs/config.yaml as shipped (only the port moved, so a busy 8000 can't fail CI)."""
+    import yaml
+
+    from .serving import ROOT
+
+    cfg = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+    srv = ServeRun(cfg["applications"])
+    try:
+        print(f"configs/config.yaml ready in {srv.startup_s:.1f}s")
+        c = openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello!"}],
+                                      max_tokens=8)
+        assert r.choices[0].message.content and r.usage.completion_tokens > 0
+    finally:
+        srv.stop()
