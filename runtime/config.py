@@ -11,7 +11,8 @@ class EngineConfig:
 
     KV memory comes from `kv_cache_memory_bytes` when set, else from
     `kv_cache_memory_fraction` of the device memory; `num_gpu_blocks` overrides both
-    (tests use it to force preemption).
+    (tests use it to force preemption). `async_scheduling` queues step N+1 on the device
+    before step N's tokens are read back (mlx-lm's `mx.async_eval` pipelining).
     """
 
     model: str = str(default_model_path())
@@ -27,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_continuous_batching: bool = True
     attention_backend: str = "gather"
+    async_scheduling: bool = True
     seed: int = 0
     trust_remote_code: bool = False
 

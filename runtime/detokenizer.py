@@ -11,7 +11,8 @@ class IncrementalDetokenizer:
     CONTEXT = 6   # prompt tokens decoded as left context, for tokenizers that strip spaces
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
-        self._decode = tokenizer.decode
+        # The Rust tokenizer underneath a fast HF tokenizer decodes without Python overhead.
+        self._decode = getattr(tokenizer, "backend_tokenizer", tokenizer).decode
         self._ids = list(prompt_token_ids[-self.CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)

@@ -17,12 +17,12 @@ from .errors import (DuplicateRequestError, EmptyPromptError, InvalidRequestErro
                      PromptTooLongError, TokenOutOfVocabularyError)
 from .kv.block_manager import KVCacheManager
 from .kv.block_pool import device_memory_bytes, kv_bytes_per_block, num_blocks_for_budget
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PendingStep
 from .models.loader import activation_dtype, kv_geometry, load, max_context
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import PLACEHOLDER, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class LLMEngine:
         self.runner.verify()
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.requests: dict[str, _Request] = {}
+        self._inflight: PendingStep | None = None
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         mx.random.seed(config.seed)
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), backend %s",
@@ -133,29 +134,50 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._inflight is not None
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Queue the next forward pass on the device, then read back and process the
+        one queued before it, so host work (detokenizing, stop checks, scheduling)
+        overlaps device work. A sequence whose sampling needs its history on the host
+        (penalties) makes the engine finish the step in flight first."""
+        outputs = []
+        if self._inflight is not None and any(s.params.needs_history for s in self.scheduler.running):
+            outputs += self._finish_step(self._inflight)
+            self._inflight = None
         sched = self.scheduler.schedule()
-        if not sched:
-            return []
-        sampled = self.runner.execute(sched.scheduled)
-        touched: dict[str, _Request] = {}
-        it = iter(sampled)
+        launched = self._launch(sched) if sched else None
+        if self._inflight is not None:
+            outputs += self._finish_step(self._inflight)
+        self._inflight = launched
+        if not self.config.async_scheduling and launched is not None:
+            outputs += self._finish_step(launched)
+            self._inflight = None
+        return outputs
+
+    def _launch(self, sched) -> PendingStep:
+        pending = self.runner.launch(sched.scheduled, self._inflight)
         for s in sched.scheduled:
             seq = s.seq
+            if s.samples:
+                pending.positions.append(len(seq.token_ids))
+                seq.token_ids.append(PLACEHOLDER)
             seq.num_computed_tokens = s.start + s.num_tokens
-            if not s.samples:
-                continue
-            tok = next(it)
+        return pending
+
+    def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+        touched: dict[str, _Request] = {}
+        for seq, pos, tok in zip(pending.seqs, pending.positions, self.runner.collect(pending)):
+            if seq.is_finished:
+                continue   # stopped or aborted while this step was in flight
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
-            self._append(req, seq, tok.token_id, tok.logprob)
+            seq.token_ids[pos] = tok.token_id
+            self._append(req, seq, pos, tok.token_id, tok.logprob)
         return [self._output(r) for r in touched.values()]
 
-    def _append(self, req: _Request, seq: Sequence, token: int, logprob) -> None:
-        seq.token_ids.append(token)
+    def _append(self, req: _Request, seq: Sequence, pos: int, token: int, logprob) -> None:
         if logprob is not None:
             seq.logprobs.append(logprob)
         self._counters["generation_tokens"] += 1
@@ -172,9 +194,10 @@ class LLMEngine:
             detok.add(token)
             if detok.stopped:
                 reason = "stop"
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif pos + 1 - seq.num_prompt_tokens >= p.max_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
         if reason:
+            del seq.token_ids[pos + 1:]   # a token queued after this one is void
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:

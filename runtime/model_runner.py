@@ -7,7 +7,7 @@ computed only for the rows that sample: the last token of each sequence that rea
 its end this step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -18,8 +18,9 @@ from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
 from .models.loader import kv_geometry
 from .outputs import Logprob
-from .sampling import sample
+from .sampling import SampleResult, sample
 from .scheduler import ScheduledSeq
+from .sequence import PLACEHOLDER
 
 # Architectures whose `Model.__call__` is `model.model(...)` then the tied embedding or
 # `lm_head`; for them logits are computed for sampled rows only. Others run whole.
@@ -30,6 +31,17 @@ _SPLIT_HEAD_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.mod
 class SampledToken:
     token_id: int
     logprob: Logprob | None
+
+
+@dataclass
+class PendingStep:
+    """A step queued on the device: its sampling sequences, in row order, and the lazy
+    sampled arrays; `row_of` maps a sequence id to its row."""
+
+    seqs: list
+    result: SampleResult | None
+    row_of: dict[int, int]
+    positions: list[int] = field(default_factory=list)   # where each sampled token goes
 
 
 class ModelRunner:
@@ -53,34 +65,53 @@ class ModelRunner:
             return self.model.lm_head(h)
         return self.model(inputs, cache=self.caches)[rows, 0]
 
-    def forward(self, scheduled: list[ScheduledSeq], split_head: bool | None = None) -> mx.array:
-        """Run the pass; returns lazy logits (S, V) for the sampling rows, in order."""
+    def forward(self, scheduled: list[ScheduledSeq], split_head: bool | None = None,
+                prev: "PendingStep | None" = None) -> mx.array:
+        """Build and return the lazy logits (S, V) of the sampling rows, in order. An input
+        token still in flight (`PLACEHOLDER`) is read from `prev`'s sampled tokens on
+        the device, so this step can be queued before the previous one is read back."""
         tables, starts, lengths, tokens, rows = [], [], [], [], []
+        fill_rows, fill_src = [], []
         t = 0
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
             starts.append(s.start)
             lengths.append(s.num_tokens)
-            tokens.extend(s.seq.token_ids[s.start:end])
+            toks = s.seq.token_ids[s.start:end]
+            if toks[-1] == PLACEHOLDER:
+                fill_rows.append(t + s.num_tokens - 1)
+                fill_src.append(prev.row_of[s.seq.seq_id])
+                toks = toks[:-1] + [0]
+            tokens.extend(toks)
             t += s.num_tokens
             if s.samples:
                 rows.append(t - 1)
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size)
-        inputs = mx.array(np.asarray(tokens, dtype=np.int32)[:, None])
+        inputs = mx.array(np.asarray(tokens, dtype=np.int32))
+        if fill_rows:
+            inputs[mx.array(fill_rows)] = prev.result.tokens[mx.array(fill_src)]
         split = self._split_head if split_head is None else split_head
-        return self._logits(inputs, mx.array(rows, dtype=mx.int32), split)
+        return self._logits(inputs[:, None], mx.array(rows, dtype=mx.int32), split)
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
-        """Forward, sample, and bring the sampled tokens to the host (one sync)."""
-        logits = self.forward(scheduled)
+    def launch(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
+        """Queue a step on the device and return at once (`mx.async_eval`)."""
+        logits = self.forward(scheduled, prev=prev)
         seqs = [s.seq for s in scheduled if s.samples]
         if not seqs:
-            mx.eval(self.pool.arrays())
-            return []
+            mx.async_eval(self.pool.arrays())
+            return PendingStep([], None, {})
         res = sample(logits, seqs)
         outs = [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
         mx.async_eval(*outs, *self.pool.arrays())
+        return PendingStep(seqs, res, {seq.seq_id: i for i, seq in enumerate(seqs)})
+
+    @staticmethod
+    def collect(pending: "PendingStep") -> list[SampledToken]:
+        """Wait for a launched step and bring its sampled tokens to the host."""
+        res = pending.result
+        if res is None:
+            return []
         tokens = res.tokens.tolist()
         if res.logprobs is None:
             return [SampledToken(tok, None) for tok in tokens]
@@ -88,7 +119,7 @@ class ModelRunner:
         top_ids = res.top_ids.tolist() if res.top_ids is not None else None
         top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
         out = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+        for i, (seq, tok) in enumerate(zip(pending.seqs, tokens)):
             k = seq.params.logprobs
             if k is None:
                 out.append(SampledToken(tok, None))
@@ -98,14 +129,17 @@ class ModelRunner:
         return out
 
     # -- start-up self-check ---------------------------------------------------
-    def verify(self, atol: float = 1e-2) -> None:
+    def verify(self, atol: float | None = None) -> None:
         """Run a 3-token sequence through the paged path (a 2-token prefill chunk, then
         one decode) in block 0, and compare with mlx-lm's own cache. Catches models
         whose attention bypasses the hook, and a head split that does not hold.
         Block 0 is free at start-up, so nothing is disturbed."""
         from .sampling_params import SamplingParams
-        from .sequence import Sequence
+        from .sequence import PLACEHOLDER,  Sequence
 
+        if atol is None:
+            # Wrong attention is off by O(1); half precision rounds to a few percent.
+            atol = 1e-3 if self.pool.keys[0].dtype == mx.float32 else 6e-2
         probe = [1, 2, 3]
         ref = self.model(mx.array([probe]), cache=make_prompt_cache(self.model))[0].astype(mx.float32)
         seq = Sequence("verify", 0, probe[:2], SamplingParams())

@@ -104,6 +104,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.out_of_budget or seq.num_tokens >= self.max_model_len:
+                i += 1   # its last token is in flight; the engine finishes it on read-back
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n):
                 victim = self._pick_victim(scheduled_ids)

@@ -12,6 +12,7 @@ from .outputs import Logprob
 from .sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
+PLACEHOLDER = -1   # a sampled token still on the device; the step after it is already queued
 
 
 class SequenceStatus(enum.Enum):
@@ -55,11 +56,26 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Generated tokens known on the host."""
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, including any still in flight."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host: all but the trailing placeholders."""
+        n = len(self.token_ids)
+        while self.token_ids[n - 1] == PLACEHOLDER:
+            n -= 1
+        return n
+
+    @property
+    def out_of_budget(self) -> bool:
+        """Its last token is sampled or in flight: `max_tokens` is reached."""
+        return self.num_output_tokens >= self.params.max_tokens
 
     @property
     def sort_key(self) -> tuple[int, int]:

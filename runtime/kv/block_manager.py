@@ -27,7 +27,8 @@ class KVCacheManager:
         self.cache = PrefixCache(self.pool, enable_prefix_caching)
 
     def _hashes(self, seq: Sequence) -> list[bytes]:
-        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)
+        known = seq.token_ids[:seq.num_known_tokens]
+        return extend_block_hashes(seq.block_hashes, known, self.block_size, seq.cache_salt)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached leading blocks of a sequence that holds none. At least one token is
@@ -64,7 +65,7 @@ class KVCacheManager:
         K/V of a layer before that layer's attention reads."""
         if not self.cache.enabled:
             return
-        full = num_tokens // self.block_size
+        full = min(num_tokens, seq.num_known_tokens) // self.block_size
         if full <= seq.num_published_blocks:
             return
         hashes = self._hashes(seq)

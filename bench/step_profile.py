@@ -1,0 +1,97 @@
+"""Where a decode step's time goes: host work vs waiting for the device.
+
+For each batch size, fills the engine with that many sequences, lets prefill finish,
+then times decode steps: the wall time per step, the time spent blocked reading back
+sampled tokens (device-bound share), and the rest (host: scheduling, metadata, graph
+building, detokenizing). `--cprofile` adds the top host functions.
+
+    python bench/step_profile.py --model llama-1b --batch 1 32 128 256
+"""
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_continuous_vs_static import RESULTS, resolve_model  # noqa: E402
+from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from runtime.model_runner import ModelRunner  # noqa: E402
+
+
+def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cprofile: bool):
+    vocab = engine.vocab_size
+    for i in range(batch):
+        ids = [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(prompt_len)]
+        engine.add_request(f"p{batch}-{i}", None,
+                           SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True),
+                           prompt_token_ids=ids)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    waited = [0.0]
+    orig = ModelRunner.collect
+
+    def timed_collect(pending):
+        t = time.perf_counter()
+        out = orig(pending)
+        waited[0] += time.perf_counter() - t
+        return out
+
+    engine.runner.collect = timed_collect
+    prof = cProfile.Profile() if use_cprofile else None
+    if prof:
+        prof.enable()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+    engine.runner.collect = orig
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    row = {"batch": batch, "step_ms": wall / steps * 1e3, "wait_ms": waited[0] / steps * 1e3,
+           "host_ms": (wall - waited[0]) / steps * 1e3, "tok_s": batch * steps / wall}
+    if prof:
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime")
+        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
+        row["top"] = [(f"{k[0].split('/')[-1]}:{k[2]}", round(v[2] / steps * 1e3, 3)) for k, v in top]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--sync", action="store_true", help="turn off async scheduling")
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "step_profile.json"))
+    args = ap.parse_args(argv)
+    engine = LLMEngine(EngineConfig(model=resolve_model(args.model), max_num_seqs=max(args.batch),
+                                    max_num_batched_tokens=8192, async_scheduling=not args.sync,
+                                    kv_cache_memory_bytes=8 << 30))
+    rows = [profile(engine, b, args.prompt_len, args.steps, args.cprofile) for b in [args.batch[0]] + args.batch]
+    rows = rows[1:]   # the first pass warms up kernels
+    print(f"{'batch':>6} | {'step ms':>8} | {'device wait ms':>14} | {'host ms':>8} | {'tok/s':>9}")
+    for r in rows:
+        print(f"{r['batch']:>6} | {r['step_ms']:>8.2f} | {r['wait_ms']:>14.2f} | {r['host_ms']:>8.2f} | {r['tok_s']:>9.1f}")
+        for name, ms in r.get("top", []):
+            print(f"{'':>8}{ms:8.3f} ms  {name}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"model": args.model, "sync": args.sync, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
