@@ -76,12 +76,15 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sync", action="store_true", help="turn off async scheduling")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "step_profile.json"))
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=resolve_model(args.model), max_num_seqs=max(args.batch),
                                     max_num_batched_tokens=8192, async_scheduling=not args.sync,
-                                    kv_cache_memory_bytes=8 << 30))
+                                    kv_cache_memory_bytes=8 << 30,
+                                    attention_backend=args.attention_backend))
+    print("attention backend:", engine.runner.attention_backend)
     rows = [profile(engine, b, args.prompt_len, args.steps, args.cprofile) for b in [args.batch[0]] + args.batch]
     rows = rows[1:]   # the first pass warms up kernels
     print(f"{'batch':>6} | {'step ms':>8} | {'device wait ms':>14} | {'host ms':>8} | {'tok/s':>9}")
@@ -90,7 +93,9 @@ def main(argv=None):
         for name, ms in r.get("top", []):
             print(f"{'':>8}{ms:8.3f} ms  {name}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "sync": args.sync, "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"model": args.model, "sync": args.sync,
+                                          "attention_backend": engine.runner.attention_backend,
+                                          "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ class LLMEngine:
         mx.random.seed(config.seed)
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), backend %s",
                  config.model, self.num_blocks, config.block_size,
-                 self.runner.pool.nbytes / 2**20, config.attention_backend)
+                 self.runner.pool.nbytes / 2**20, self.runner.attention_backend)
 
     def _num_blocks(self, per_block: int) -> int:
         c = self.config
@@ -277,4 +277,5 @@ class LLMEngine:
             "generation_tokens": self._counters["generation_tokens"],
             "requests_finished": self._counters["requests_finished"],
             "max_model_len": self.max_model_len,
+            "attention_backend": self.runner.attention_backend,
         }

@@ -7,13 +7,14 @@ computed only for the rows that sample: the last token of each sequence that rea
 its end this step.
 """
 
+import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import build_metadata, get_backend, install_hook
+from .attention import build_metadata, get_backend, install_hook, resolve_backend
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
 from .models.loader import kv_geometry
@@ -21,6 +22,8 @@ from .outputs import Logprob
 from .sampling import SampleResult, sample
 from .scheduler import ScheduledSeq
 from .sequence import PLACEHOLDER
+
+log = logging.getLogger(__name__)
 
 # Architectures whose `Model.__call__` is `model.model(...)` then the tied embedding or
 # `lm_head`; for them logits are computed for sampled rows only. Others run whole.
@@ -51,7 +54,11 @@ class ModelRunner:
         self.block_size = block_size
         num_layers, kv_heads, head_dim = kv_geometry(model)
         self.pool = KVPool(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
-        self.ctx = StepContext(attend_fn=get_backend(attention_backend))
+        heads = model.args.num_attention_heads
+        self.attention_backend, why = resolve_backend(attention_backend, heads, kv_heads, head_dim,
+                                                      block_size, dtype)
+        log.info("attention backend %s (%s)", self.attention_backend, why)
+        self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
         self.patched_modules = install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES

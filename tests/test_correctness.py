@@ -119,3 +119,36 @@ def test_unchunked_prefill_matches(model_dirs):
     prompts = [_prompt(rng, rng.randrange(1, 60)) for _ in range(5)]
     for p, o in zip(prompts, engine.generate(prompts, _params())):
         _check(engine, o, p, TOL["llama"])
+
+
+def test_async_and_sync_scheduling_agree(default_model):
+    """Pipelined steps (the default) and one-step-at-a-time give identical outputs, with
+    stop strings, seeds, n > 1, logprobs and penalties (which force a sync) mixed in."""
+    reqs = [
+        ("The river", SamplingParams(temperature=0, max_tokens=30, stop=["mill"], logprobs=2)),
+        ("The baker", SamplingParams(temperature=0.9, max_tokens=25, seed=5, n=3)),
+        ("Question:", SamplingParams(temperature=0, max_tokens=20, frequency_penalty=1.0)),
+        ("Hello!", SamplingParams(temperature=0.7, max_tokens=40, seed=11, top_p=0.9, top_k=20)),
+    ]
+    results = []
+    for async_scheduling in (False, True):
+        eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=128,
+                                     async_scheduling=async_scheduling))
+        outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+        results.append([[(o.text, o.token_ids, o.finish_reason,
+                          [(lp.token_id, round(lp.logprob, 5)) for lp in (o.logprobs or [])])
+                         for o in r.outputs] for r in outs])
+        assert eng.stats()["num_blocks_held_by_requests"] == 0
+    assert results[0] == results[1]
+    assert results[0][0][0][2] == "stop" and "mill" not in results[0][0][0][0]
+
+
+def test_priority_runs_first(default_model):
+    eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=128, max_num_seqs=1))
+    p = SamplingParams(temperature=0, max_tokens=3)
+    eng.add_request("low", "The river", p, priority=5)
+    eng.add_request("high", "The river", p, priority=-5)
+    order = []
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["high", "low"]

@@ -8,24 +8,100 @@ Backends take one group of sequences: `attend_group(q, k_pool, v_pool, group, sc
 block_size, sinks) -> out`.
 """
 
+import logging
 import sys
+import time
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
-from . import gather
-from .metadata import AttentionMetadata, GroupMetadata, build_metadata, sort_key
+from . import cuda, gather
+from .metadata import AttentionMetadata, GroupMetadata, build_metadata, make_group, sort_key
 
+log = logging.getLogger(__name__)
 AttendFn = Callable[..., mx.array]
 
-BACKENDS: dict[str, AttendFn] = {"gather": gather.attend_group}
+BACKENDS: dict[str, AttendFn] = {"gather": gather.attend_group, "cuda": cuda.attend_group}
+KERNEL_AVAILABLE: dict[str, Callable[[], bool]] = {"cuda": cuda.available}
 
 
 def get_backend(name: str) -> AttendFn:
     try:
         return BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}") from None
+        raise ValueError(f"unknown attention backend {name!r}; available: "
+                         f"{sorted(BACKENDS) + ['auto']}") from None
+
+
+def _decode_problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                    block_size: int, dtype, seed: int = 0):
+    """A random decode group over a random pool, contexts spread up to `context`."""
+    rng = np.random.default_rng(seed)
+    blocks_per = -(-context // block_size)
+    num_blocks = batch * blocks_per
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k = mx.array(rng.standard_normal(shape), dtype=dtype)
+    v = mx.array(rng.standard_normal(shape), dtype=dtype)
+    q = mx.array(rng.standard_normal((batch, heads, 1, head_dim)), dtype=dtype)
+    lens = np.maximum(1, (np.arange(1, batch + 1) * context) // batch)
+    perm = rng.permutation(num_blocks)
+    tables = [perm[i * blocks_per:(i + 1) * blocks_per][: -(-n // block_size)].tolist()
+              for i, n in enumerate(lens)]
+    group = make_group(tables, (lens - 1).tolist(), [1] * batch, lens, 0, block_size)
+    return q, k, v, group
+
+
+def _time(fn, reps: int = 5) -> float:
+    mx.eval(fn())
+    t = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    return (time.perf_counter() - t) / reps
+
+
+def check_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                  dtype, batch: int = 32, context: int = 1024) -> tuple[bool, str]:
+    """Does `name` match `gather` on random decode problems, and is it faster on this
+    geometry? Returns (use it, why)."""
+    fn = BACKENDS[name]
+    tol = 2e-3 if dtype == mx.float32 else 3e-2
+    scale = head_dim ** -0.5
+    try:
+        for b, ctx in ((3, 40), (5, 700)):
+            q, k, v, g = _decode_problem(b, ctx, heads, kv_heads, head_dim, block_size, dtype, seed=b)
+            want = gather.attend_group(q, k, v, g, scale, block_size).astype(mx.float32)
+            got = fn(q, k, v, g, scale, block_size).astype(mx.float32)
+            err = float(mx.abs(got - want).max().item())
+            if not err <= tol:
+                return False, f"{name} differs from gather by {err:.3g} (tolerance {tol})"
+        q, k, v, g = _decode_problem(batch, context, heads, kv_heads, head_dim, block_size, dtype)
+        t_kernel = _time(lambda: fn(q, k, v, g, scale, block_size))
+        t_gather = _time(lambda: gather.attend_group(q, k, v, g, scale, block_size))
+    except Exception as e:  # a kernel that fails to compile or run is not used
+        return False, f"{name} failed its self-check: {e!r}"
+    faster = t_kernel < t_gather
+    return faster, (f"{name} {t_kernel * 1e3:.3f} ms vs gather {t_gather * 1e3:.3f} ms "
+                    f"(batch {batch}, context {context})")
+
+
+def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                    dtype) -> tuple[str, str]:
+    """The backend to run, and why. `auto` picks a fused kernel only if this device has
+    one, it matches `gather`, and it is faster on the model's geometry."""
+    if name != "auto":
+        get_backend(name)
+        return name, "configured"
+    reasons = []
+    for cand, avail in KERNEL_AVAILABLE.items():
+        if not avail():
+            reasons.append(f"{cand}: not available on {mx.default_device()}")
+            continue
+        ok, why = check_backend(cand, heads, kv_heads, head_dim, block_size, dtype)
+        reasons.append(why)
+        if ok:
+            return cand, why
+    return "gather", "; ".join(reasons)
 
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,
@@ -78,5 +154,5 @@ def install_hook(model) -> list[str]:
     return patched
 
 
-__all__ = ["AttentionMetadata", "GroupMetadata", "build_metadata", "get_backend",
-           "install_hook", "paged_attention", "sort_key", "BACKENDS"]
+__all__ = ["AttentionMetadata", "GroupMetadata", "build_metadata", "check_backend", "get_backend",
+           "install_hook", "paged_attention", "resolve_backend", "sort_key", "BACKENDS"]

@@ -71,7 +71,9 @@ def _group_bounds(lengths: list[int], ctx: np.ndarray) -> list[tuple[int, int]]:
     return bounds
 
 
-def _group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
+def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
+    """One group: sequences' block tables, first new positions, new-token counts and
+    context lengths (a numpy array), its first packed row."""
     n = len(lengths)
     width = max(len(t) for t in tables)
     bt = np.zeros((n, width), dtype=np.int32)
@@ -112,6 +114,6 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     for table, r0, r1 in zip(block_tables, row_of[:-1], row_of[1:]):
         pos = positions[r0:r1]
         slots[r0:r1] = np.asarray(table, dtype=np.int32)[pos // block_size] * block_size + pos % block_size
-    groups = [_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size)
+    groups = [make_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size)
               for a, b in _group_bounds(lengths, ctx)]
     return AttentionMetadata(mx.array(positions), mx.array(slots), groups, block_size)

@@ -1,0 +1,158 @@
+"""Fused paged decode attention for MLX's CUDA backend (`mx.fast.cuda_kernel`).
+
+One thread block per (sequence, KV head, split): it reads that head's keys and values
+straight from the block pool through the block table, serves every query head of the
+GQA group from one load, and keeps an online softmax per warp. Long contexts are split
+along the sequence (flash-decoding); the splits' partial sums are merged with MLX ops.
+Only one-query groups (decodes) use it; prefill chunks and attention sinks go through
+`gather`.
+"""
+
+import mlx.core as mx
+
+from . import gather
+from .metadata import GroupMetadata
+
+WARPS = 4
+MIN_SPLIT_TOKENS = 256
+TARGET_BLOCKS = 264          # about two waves of an H100/H200's 132 SMs
+
+_SOURCE = """
+    const int h_kv = blockIdx.y;
+    const int n_split = gridDim.z / q_shape[0];
+    const int b = blockIdx.z / n_split;
+    const int split = blockIdx.z % n_split;
+    const int n_heads = q_shape[1];
+    const int n_kv = k_pool_shape[1];
+    const int n_tab = block_tables_shape[1];
+    const int ctx = context_lens[b];
+    const int chunk = (ctx + n_split - 1) / n_split;
+    const int start = split * chunk;
+    const int end = min(ctx, start + chunk);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    constexpr int E = D / 32;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+
+    float qv[G][E];
+    float m[G], l[G], acc[G][E];
+    for (int g = 0; g < G; ++g) {
+        const long qoff = ((long)b * n_heads + h_kv * G + g) * D + lane * E;
+        for (int e = 0; e < E; ++e) {
+            qv[g][e] = static_cast<float>(q[qoff + e]);
+            acc[g][e] = 0.f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+    }
+    for (int j = start + warp; j < end; j += NW) {
+        const int blk = block_tables[b * n_tab + j / BS];
+        const long base = ((long)(blk * BS + j % BS) * n_kv + h_kv) * D + lane * E;
+        float kv[E], vv[E];
+        for (int e = 0; e < E; ++e) {
+            kv[e] = static_cast<float>(k_pool[base + e]);
+            vv[e] = static_cast<float>(v_pool[base + e]);
+        }
+        for (int g = 0; g < G; ++g) {
+            float s = 0.f;
+            for (int e = 0; e < E; ++e) s += qv[g][e] * kv[e];
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            const float m_new = fmaxf(m[g], s);
+            const float corr = __expf(m[g] - m_new);
+            const float p = __expf(s - m_new);
+            l[g] = l[g] * corr + p;
+            for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vv[e];
+            m[g] = m_new;
+        }
+    }
+
+    __shared__ float sm_m[NW][G];
+    __shared__ float sm_l[NW][G];
+    __shared__ float sm_acc[NW][G][D];
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) {
+            sm_m[warp][g] = m[g];
+            sm_l[warp][g] = l[g];
+        }
+        for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
+        const int g = idx / D;
+        const int d = idx % D;
+        float mx_ = NEG_INF;
+        for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, sm_m[w][g]);
+        float lsum = 0.f, a = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            const float c = (sm_m[w][g] == NEG_INF) ? 0.f : __expf(sm_m[w][g] - mx_);
+            lsum += sm_l[w][g] * c;
+            a += sm_acc[w][g][d] * c;
+        }
+        const long o = ((long)b * n_heads + h_kv * G + g) * n_split + split;
+        out_acc[o * D + d] = a;
+        if (d == 0) {
+            out_m[o] = mx_;
+            out_l[o] = lsum;
+        }
+    }
+"""
+
+_kernel = None
+
+
+def available() -> bool:
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def _get_kernel():
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="paged_decode_attention",
+            input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens"],
+            output_names=["out_acc", "out_m", "out_l"],
+            source=_SOURCE,
+        )
+    return _kernel
+
+
+def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
+    by_work = -(-TARGET_BLOCKS // (batch * kv_heads))
+    by_length = max(1, max_context // MIN_SPLIT_TOKENS)
+    return max(1, min(by_work, by_length, 32))
+
+
+def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+                 context_lens: mx.array, max_context: int, scale: float, block_size: int) -> mx.array:
+    """q: (B, H, D) -> (B, H, D)."""
+    b, h, d = q.shape
+    n_kv = k_pool.shape[1]
+    if d % 32 or h % n_kv:
+        raise ValueError("paged_decode needs head_dim % 32 == 0 and heads % kv_heads == 0")
+    splits = num_splits(b, n_kv, max_context)
+    acc, m, l = _get_kernel()(
+        inputs=[(q * scale).astype(k_pool.dtype), k_pool, v_pool, block_tables, context_lens],
+        template=[("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
+        grid=(WARPS * 32, n_kv, b * splits),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    if splits == 1:
+        out = acc[:, :, 0] / l[:, :, 0, None]
+    else:
+        top = m.max(axis=-1, keepdims=True)
+        w = mx.exp(m - top)
+        out = (acc * w[..., None]).sum(axis=2) / (l * w).sum(axis=2)[..., None]
+    return out.astype(q.dtype)
+
+
+def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
+                 scale: float, block_size: int, sinks: mx.array | None = None) -> mx.array:
+    """The `cuda` backend: the fused kernel for decode groups, `gather` for the rest
+    (prefill chunks, attention sinks, head dims that are not a multiple of 32)."""
+    if not g.single_query or sinks is not None or q.shape[-1] % 32:
+        return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks)
+    out = paged_decode(q[:, :, 0, :], k_pool, v_pool, g.block_tables, g.context_lens,
+                       g.max_context_len, scale, block_size)
+    return out[:, :, None, :]

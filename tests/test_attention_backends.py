@@ -1,0 +1,58 @@
+"""Attention backends: `auto` selection, and the fused CUDA kernel against `gather`.
+
+The CUDA tests run only where MLX's CUDA backend is the default device (the GPU
+machine); on CPU and Metal they skip with that reason.
+"""
+
+import mlx.core as mx
+import pytest
+
+from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime.attention import check_backend, gather, resolve_backend
+from runtime.attention import cuda as cuda_backend
+from runtime.attention import _decode_problem
+
+from .conftest import reference_greedy
+
+needs_cuda = pytest.mark.skipif(not cuda_backend.available(),
+                                reason="needs MLX's CUDA backend as the default device")
+
+
+def test_auto_falls_back_to_gather_without_a_kernel():
+    if cuda_backend.available():
+        pytest.skip("a CUDA device is present; auto may pick the kernel here")
+    name, why = resolve_backend("auto", 8, 2, 64, 16, mx.float32)
+    assert name == "gather" and "not available" in why
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend("flash9", 8, 2, 64, 16, mx.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 2e-3), (mx.bfloat16, 3e-2)])
+@pytest.mark.parametrize("batch, context, heads, kv_heads, head_dim", [
+    (1, 1, 8, 8, 64), (3, 33, 8, 2, 64), (7, 700, 32, 8, 64), (64, 3000, 16, 4, 128), (2, 9000, 4, 1, 64),
+])
+def test_cuda_kernel_matches_gather(dtype, tol, batch, context, heads, kv_heads, head_dim):
+    q, k, v, g = _decode_problem(batch, context, heads, kv_heads, head_dim, 16, dtype, seed=batch)
+    scale = head_dim ** -0.5
+    want = gather.attend_group(q, k, v, g, scale, 16).astype(mx.float32)
+    got = cuda_backend.attend_group(q, k, v, g, scale, 16).astype(mx.float32)
+    assert float(mx.abs(got - want).max().item()) <= tol
+
+
+@needs_cuda
+def test_cuda_self_check_passes():
+    ok, why = check_backend("cuda", 32, 8, 64, 16, mx.bfloat16)
+    assert "differs" not in why and "failed" not in why, why
+
+
+@needs_cuda
+def test_engine_on_cuda_backend_matches_mlx_lm(model_dirs):
+    engine = LLMEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64, attention_backend="cuda"))
+    prompts = [[5, 6, 7], list(range(10, 60)), [9] * 17]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(engine.model, p, 10)]
