@@ -4,36 +4,20 @@ No `from __future__ import annotations` here: Serve reads the builder's annotati
 turn the config's `args` into `AppArgs`.
 """
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
+from runtime import EngineConfig
 from runtime.models.tiny import default_model_path
 
 from .ingress import OpenAIIngress
 from .llm_server import LLMServer
-
-
-class EngineArgs(BaseModel):
-    """Engine knobs; see `runtime.EngineConfig`."""
-
-    model_config = ConfigDict(extra="forbid")
-    block_size: int = 16
-    num_gpu_blocks: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    kv_cache_memory_fraction: float = 0.3
-    max_model_len: Optional[int] = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    enable_continuous_batching: bool = True
-    attention_backend: str = "gather"
-    seed: int = 0
 
 
 class DeploymentArgs(BaseModel):
@@ -57,7 +41,8 @@ class AppArgs(BaseModel):
     model: str = Field(default_factory=lambda: str(default_model_path()),
                        description="a model directory or a hub repo id (mlx-community/...)")
     served_model_name: Optional[str] = None
-    engine: EngineArgs = Field(default_factory=EngineArgs)
+    engine: dict[str, Any] = Field(default_factory=dict,
+                                   description="EngineConfig fields (runtime/config.py), model aside")
     llm_server: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(
         max_ongoing_requests=256, ray_actor_options={"num_cpus": 1}))
     ingress: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(
@@ -69,6 +54,17 @@ class AppArgs(BaseModel):
     default_max_tokens: int = 256
     retry_after_s: int = 1
     health_timeout_s: float = 5.0
+
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: dict) -> dict:
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"unknown engine fields {unknown}; known: {sorted(known)}")
+        EngineConfig(**v)   # range checks
+        return v
 
 
 def _options(d: DeploymentArgs) -> dict:
@@ -88,7 +84,7 @@ def build_app(args: AppArgs) -> serve.Application:
     env_keys = os.environ.get(args.api_keys_env, "")
     keys += [k.strip() for k in env_keys.split(",") if k.strip()]
     name = args.served_model_name or (Path(model).name if Path(model).exists() else model)
-    engine = {"model": model, **args.engine.model_dump(exclude_none=True)}
+    engine = {**args.engine, "model": model}
     settings = {
         "model": model, "served_model_name": name, "api_keys": keys,
         "max_request_body_bytes": args.max_request_body_bytes,

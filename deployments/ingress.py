@@ -224,7 +224,7 @@ class OpenAIIngress:
             p, ids, params = jobs[0]
             first, gen = await self._stream(ids, params, body, salt)
             echo = self._prompt_text(p) if body.echo else None
-            return _sse(self._completion_events(rid, created, body, ids, first, gen, echo))
+            return _sse(self._completion_events(rid, created, body, first, gen, echo))
         started = []
         try:
             for _, ids, params in jobs:
@@ -233,8 +233,7 @@ class OpenAIIngress:
             for _, gen in started:
                 gen.cancel()
             raise
-        finals = await asyncio.gather(*(_drain(first, gen, RequestTimer(self.metrics), self.metrics)
-                                        for first, gen in started))
+        finals = await asyncio.gather(*(self._drain(first, gen) for first, gen in started))
         choices, usage = [], _Usage()
         for j, ((p, ids, _), out) in enumerate(zip(jobs, finals)):
             usage.add(out)
@@ -246,29 +245,20 @@ class OpenAIIngress:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": self.model_name, "choices": choices, "usage": usage.body()})
 
-    async def _completion_events(self, rid, created, body, ids, first, gen, echo):
-        timer = RequestTimer(self.metrics)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def _completion_events(self, rid, created, body, first, gen, echo):
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+                   for i in range(body.n)] if echo else []
         offsets = [0] * body.n
-        if echo:
-            for i in range(body.n):
-                yield {**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
-        last = None
-        async for out in _chain(first, gen):
-            last = out
-            timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
-            for o in out.outputs:
-                if not (o.delta_text or o.delta_token_ids or o.finish_reason):
-                    continue
-                lp = self._completion_logprobs(o.delta_logprobs, offsets[o.index]) \
-                    if body.logprobs is not None else None
-                offsets[o.index] += len(o.delta_text)
-                yield {**base, "choices": [{"index": o.index, "text": o.delta_text, "logprobs": lp,
-                                            "finish_reason": o.finish_reason}]}
-        self._finish(timer, last)
-        if include_usage:
-            yield {**base, "choices": [], "usage": _Usage().add(last).body()}
+
+        def choice(o):
+            lp = self._completion_logprobs(o.delta_logprobs, offsets[o.index]) \
+                if body.logprobs is not None else None
+            offsets[o.index] += len(o.delta_text)
+            return {"index": o.index, "text": o.delta_text, "logprobs": lp,
+                    "finish_reason": o.finish_reason}
+
+        return self._events(first, gen, body, base, opening, choice)
 
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, api_key: str | None) -> Response:
@@ -291,7 +281,7 @@ class OpenAIIngress:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self._chat_events(rid, created, body, first, gen))
-        out = await _drain(first, gen, RequestTimer(self.metrics), self.metrics)
+        out = await self._drain(first, gen)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
                     "finish_reason": o.finish_reason} for o in out.outputs]
@@ -299,27 +289,43 @@ class OpenAIIngress:
                              "model": self.model_name, "choices": choices,
                              "usage": _Usage().add(out).body()})
 
-    async def _chat_events(self, rid, created, body, first, gen):
-        timer = RequestTimer(self.metrics)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def _chat_events(self, rid, created, body, first, gen):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        for i in range(body.n):
-            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(body.n)]
+
+        def choice(o):
+            return {"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                    "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
+                    "finish_reason": o.finish_reason}
+
+        return self._events(first, gen, body, base, opening, choice)
+
+    async def _events(self, first, gen, body, base: dict, opening: list[dict], choice):
+        """The SSE chunks of either endpoint: the `opening` choices, then one chunk per
+        completion with something new (`choice` shapes it), then usage if asked for."""
+        timer = RequestTimer(self.metrics)
+        for c in opening:
+            yield {**base, "choices": [c]}
         last = None
         async for out in _chain(first, gen):
             last = out
             timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
             for o in out.outputs:
-                if not (o.delta_text or o.delta_token_ids or o.finish_reason):
-                    continue
-                delta = {"content": o.delta_text} if o.delta_text else {}
-                lp = self._chat_logprobs(o.delta_logprobs) if body.logprobs else None
-                yield {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": lp,
-                                            "finish_reason": o.finish_reason}]}
+                if o.delta_text or o.delta_token_ids or o.finish_reason:
+                    yield {**base, "choices": [choice(o)]}
         self._finish(timer, last)
-        if include_usage:
+        if body.stream_options and body.stream_options.include_usage:
             yield {**base, "choices": [], "usage": _Usage().add(last).body()}
+
+    async def _drain(self, first, gen):
+        """Collect a non-streamed request; returns its final output."""
+        timer, last = RequestTimer(self.metrics), None
+        async for out in _chain(first, gen):
+            timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
+            last = out
+        self._finish(timer, last)
+        return last
 
     # -- helpers -----------------------------------------------------------------------
     def _finish(self, timer: RequestTimer, out) -> None:
@@ -391,17 +397,6 @@ async def _chain(first, gen):
     finally:
         if not done:
             gen.cancel()
-
-
-async def _drain(first, gen, timer: RequestTimer, metrics: Metrics):
-    last = None
-    async for out in _chain(first, gen):
-        timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
-        last = out
-    metrics.replicas.update(getattr(last, "engine_stats", None))
-    timer.done(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs),
-               [o.finish_reason for o in last.outputs])
-    return last
 
 
 def _sse(events) -> StreamingResponse:

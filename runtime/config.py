@@ -27,7 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     enable_continuous_batching: bool = True
-    attention_backend: str = "gather"
+    attention_backend: str = "auto"
     async_scheduling: bool = True
     seed: int = 0
     trust_remote_code: bool = False
