@@ -34,14 +34,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # A random-weight model shaped like Llama-3.2-1B (bf16), for the GPU measurements.
 LLAMA_1B = dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, vocab_size=128256,
-                dtype="bfloat16", context=8192)
+                intermediate=8192, dtype="bfloat16", context=8192)
 
 
 def resolve_model(name: str) -> str:
     if name == "default":
         return str(default_model_path())
     if name == "llama-1b":
-        out = Path(tempfile.gettempdir()) / "mlx-paged-serve-llama-1b"
+        out = Path(tempfile.gettempdir()) / "mlx-paged-serve-llama-1b-v2"
         if not (out / "config.json").exists():
             make_model_fast(out, **LLAMA_1B)
         return str(out)
@@ -158,6 +158,56 @@ def run_mlx_lm(model, reqs, streams: int):
     return summarize("mlx_lm.BatchGenerator", streams, reqs, ttfts, out_tokens, wall, mx.get_peak_memory())
 
 
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + write), measured here and now."""
+    a = mx.zeros((nbytes // 4,), mx.float32)
+    mx.eval(a)
+    mx.eval(a + 1)
+    t = time.perf_counter()
+    for _ in range(5):
+        mx.eval(a + 1)
+    return 2 * nbytes * 5 / (time.perf_counter() - t)
+
+
+def add_roofline(row: dict, weight_bytes: int, kv_bytes_per_token: int, args, bandwidth: float) -> None:
+    """Fraction of the memory roofline a decode-bound run reached: each step reads the
+    weights once and every running sequence's KV; bytes/step x steps/s vs `bandwidth`."""
+    batch = row["streams"]
+    mean_ctx = args.prompt_len + args.gen_len / 2
+    step_bytes = weight_bytes + batch * mean_ctx * kv_bytes_per_token
+    steps_per_s = row["output_tok_s"] / batch
+    row["bytes_per_step"] = step_bytes
+    row["roofline_fraction"] = step_bytes * steps_per_s / bandwidth
+
+
+def single_stream_vs_generate_step(engine: LLMEngine, model, args) -> dict:
+    """Decode tok/s of one request, ours vs mlx-lm's `generate_step`, both warm."""
+    from mlx_lm.generate import generate_step
+
+    prompt = workload(1, argparse.Namespace(fixed=True, prompt_len=args.prompt_len, gen_len=1),
+                      model.args.vocab_size, seed=7)[0][0]
+    n = args.gen_len
+
+    def ours():
+        engine.kv.cache.reset()
+        t0 = time.perf_counter()
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        return len(out.outputs[0].token_ids) / (time.perf_counter() - t0)
+
+    def theirs():
+        t0 = time.perf_counter()
+        k = 0
+        for _ in generate_step(mx.array(prompt), model, max_tokens=n):
+            k += 1
+        return k / (time.perf_counter() - t0)
+
+    ours(), theirs()
+    o = float(np.median([ours() for _ in range(3)]))
+    g = float(np.median([theirs() for _ in range(3)]))
+    return {"prompt_len": args.prompt_len, "gen_len": n, "ours_tok_s": o,
+            "mlx_lm_generate_step_tok_s": g, "ratio": o / g}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="'default', 'llama-1b' (random, bf16) or a path")
@@ -170,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median is reported")
+    ap.add_argument("--single-stream", action="store_true",
+                    help="also compare one request's decode with mlx-lm's generate_step")
     ap.add_argument("--systems", nargs="+", default=["static", "continuous", "mlx_lm"])
     ap.add_argument("--out", default=str(RESULTS / "continuous_vs_static_cpu.json"))
     args = ap.parse_args(argv)
@@ -214,8 +266,21 @@ def main(argv=None):
                   f"TTFT p50 {row['ttft_p50_s']:.3f}s p95 {row['ttft_p95_s']:.3f}s  "
                   f"peak {row['peak_memory_gb']:.2f} GB", flush=True)
 
+    from mlx.utils import tree_flatten
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    kv_per_token = 0
+    if engines:
+        eng = next(iter(engines.values()))
+        kv_per_token = eng.runner.pool.bytes_per_block // eng.config.block_size
+    bandwidth = copy_bandwidth()
+    for r in rows:
+        add_roofline(r, weight_bytes, kv_per_token, args, bandwidth)
+    single = single_stream_vs_generate_step(engines["continuous"], model, args) \
+        if args.single_stream and "continuous" in engines else None
+
     print()
-    hdr = f"{'streams':>7} | {'system':>24} | {'out tok/s':>10} | {'vs mlx-lm':>9} | {'TTFT p50':>9} | {'TTFT p95':>9} | {'peak GB':>7}"
+    hdr = (f"{'streams':>7} | {'system':>24} | {'out tok/s':>10} | {'vs mlx-lm':>9} | {'TTFT p50':>9} | "
+           f"{'TTFT p95':>9} | {'peak GB':>7} | {'roofline':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -223,7 +288,12 @@ def main(argv=None):
         ratio = r["output_tok_s"] / ref["output_tok_s"] if ref else float("nan")
         r["throughput_vs_mlx_lm"] = ratio
         print(f"{r['streams']:>7} | {r['system']:>24} | {r['output_tok_s']:>10.1f} | {ratio:>8.2f}x | "
-              f"{r['ttft_p50_s']:>8.3f}s | {r['ttft_p95_s']:>8.3f}s | {r['peak_memory_gb']:>7.2f}")
+              f"{r['ttft_p50_s']:>8.3f}s | {r['ttft_p95_s']:>8.3f}s | {r['peak_memory_gb']:>7.2f} | "
+              f"{r['roofline_fraction']:>7.1%}")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB")
+    if single:
+        print(f"single stream: ours {single['ours_tok_s']:.1f} tok/s, mlx-lm generate_step "
+              f"{single['mlx_lm_generate_step_tok_s']:.1f} tok/s ({single['ratio']:.2f}x)")
 
     meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
             "mlx": mx.__version__, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
@@ -231,7 +301,8 @@ def main(argv=None):
             "repeats": args.repeats, "max_num_batched_tokens": args.max_num_batched_tokens,
             "attention_backend": next(iter(engines.values())).runner.attention_backend if engines else None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    meta.update(copy_bandwidth_bytes_s=bandwidth, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "single_stream": single}, indent=2))
     print(f"\nwrote {args.out}")
     return rows
 

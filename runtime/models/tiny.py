@@ -69,13 +69,13 @@ def build_tokenizer(out: Path, vocab_size: int) -> int:
 
 
 def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
-                 kv_heads: int, context: int, tie: bool) -> dict:
+                 kv_heads: int, context: int, tie: bool, intermediate: int | None = None) -> dict:
     head_dim = hidden // heads
     config = {
         "model_type": arch,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": hidden * 2,
+        "intermediate_size": intermediate or hidden * 2,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -124,14 +124,14 @@ def make_model(out, arch: str = "llama", hidden: int = 128, layers: int = 4,
                heads: int = 4, kv_heads: int = 2, vocab_size: int = 512,
                context: int = 4096, tie: bool = True, seed: int = 0,
                dtype: str = "float32", quantize: int | None = None,
-               train_steps: int = 0) -> Path:
+               train_steps: int = 0, intermediate: int | None = None) -> Path:
     """Write a model directory and return its path."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, vocab_size)
-    config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie)
+    config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie, intermediate)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -159,6 +159,7 @@ def main(argv=None):
     p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--intermediate", type=int, help="MLP width (default 2 x hidden)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
@@ -170,7 +171,8 @@ def main(argv=None):
     p.add_argument("--train-steps", type=int, default=0)
     a = p.parse_args(argv)
     path = make_model(a.out, a.arch, a.hidden, a.layers, a.heads, a.kv_heads, a.vocab_size,
-                      a.context, not a.untied, a.seed, a.dtype, a.quantize, a.train_steps)
+                      a.context, not a.untied, a.seed, a.dtype, a.quantize, a.train_steps,
+                      a.intermediate)
     n = sum(v.size for _, v in tree_flatten(mx.load(str(path / "model.safetensors"))))
     print(f"wrote {path} ({n:,} stored values)")
 
