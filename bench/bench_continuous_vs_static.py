@@ -28,7 +28,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from runtime.models.tiny import default_model_path, make_model  # noqa: E402
+from runtime.models import default_model_path  # noqa: E402
+from runtime.models.tiny import make_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
 from runtime import EngineConfig
-from runtime.models.tiny import default_model_path
+from runtime.models import default_model_path
 
 from .ingress import OpenAIIngress
 from .llm_server import LLMServer

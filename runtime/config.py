@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from .models.tiny import default_model_path
+from .models import default_model_path
 
 
 @dataclass

@@ -10,7 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import mlx.core as mx  # noqa: E402
 
-from runtime.models.tiny import default_model_path, make_model  # noqa: E402
+from runtime.models import default_model_path  # noqa: E402
+from runtime.models.tiny import make_model  # noqa: E402
 
 MODEL_SPECS = {
     "llama": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384, seed=1),

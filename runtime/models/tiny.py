@@ -21,7 +21,6 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 CORPUS = Path(__file__).with_name("corpus.txt")
-DEFAULT_MODEL_DIR = Path(__file__).with_name("default")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -146,11 +145,6 @@ def make_model(out, arch: str = "llama", hidden: int = 128, layers: int = 4,
     save_model(out, model)
     save_config(config, out / "config.json")
     return out
-
-
-def default_model_path() -> Path:
-    """The embedded model that ships in the package; the default everywhere."""
-    return DEFAULT_MODEL_DIR
 
 
 def main(argv=None):
