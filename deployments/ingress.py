@@ -16,6 +16,7 @@ import uuid
 from functools import lru_cache
 
 from pydantic import ValidationError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -180,6 +181,12 @@ class OpenAIIngress:
         except InvalidRequestError as e:
             self.metrics.errors.labels(self.model_name, "400").inc()
             return HTTPError(400, str(e), param=e.param).response()
+        except (RayActorError, ActorUnavailableError):
+            log.warning("an LLMServer replica died during the request")
+            self.metrics.errors.labels(self.model_name, "503").inc()
+            return HTTPError(503, "the model replica serving this request failed; retry shortly",
+                             type_="server_error", code="replica_failed",
+                             headers={"Retry-After": str(self.s["retry_after_s"])}).response()
         except Exception:
             log.exception("request failed")
             self.metrics.errors.labels(self.model_name, "500").inc()

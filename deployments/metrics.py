@@ -28,6 +28,7 @@ class _ReplicaStats:
         "kv_cache_bytes_in_use": ("kv_cache_bytes_in_use", "KV bytes held by requests."),
         "num_free_blocks": ("num_free_blocks", "Free KV blocks (cached or not)."),
         "num_cached_blocks": ("num_cached_blocks", "Blocks the prefix cache can serve."),
+        "device_memory_active_bytes": ("device_memory_active_bytes", "MLX memory in use by the engines."),
     }
     COUNTERS = {
         "prefix_cache_queries": ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),

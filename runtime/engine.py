@@ -278,4 +278,5 @@ class LLMEngine:
             "requests_finished": self._counters["requests_finished"],
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.attention_backend,
+            "device_memory_active_bytes": mx.get_active_memory(),
         }

@@ -1,0 +1,371 @@
+"""Reliability and security under load, faults and bad input, against a real `serve run`.
+
+Every loop is bounded in count and time, and all traffic goes to 127.0.0.1.
+"""
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime import EngineConfig, LLMEngine, SamplingParams
+
+from .serving import ServeRun, app
+
+MODEL = "default"
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+BODY_LIMIT = 32 << 10
+
+
+@pytest.fixture(scope="module")
+def server():
+    small = {"num_cpus": 0.4}
+    srv = ServeRun([
+        app("rel", "/", served_model_name=MODEL, max_request_body_bytes=BODY_LIMIT,
+            engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20},
+            llm_server={"ray_actor_options": small, "max_ongoing_requests": 256,
+                        "health_check_period_s": 2.0, "health_check_timeout_s": 10.0},
+            ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+        app("tiny", "/tiny", served_model_name=MODEL,
+            engine={"num_gpu_blocks": 20, "block_size": 16, "max_num_seqs": 16},
+            llm_server={"ray_actor_options": small}, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+        app("sec", "/sec", served_model_name=MODEL, api_keys=[KEY_A, KEY_B],
+            engine={"kv_cache_memory_bytes": 16 << 20},
+            llm_server={"ray_actor_options": small}, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+    ])
+    yield srv
+    srv.stop()
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^mlx_paged_serve:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=30).text
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> str:
+    """Poll until no request runs, waits or holds a KV block; returns the metrics text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = metrics(url)
+        idle = (metric(text, "num_requests_running") == 0 and metric(text, "num_requests_waiting") == 0
+                and metric(text, "kv_cache_bytes_in_use") == 0)
+        if idle or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
+
+
+# -- bad input -------------------------------------------------------------------
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_INPUTS = [
+    ("invalid json", C, b"{\"model\": ", 400),
+    ("json array body", C, [1, 2, 3], 400),
+    ("json string body", C, "hello", 400),
+    ("empty body", C, b"", 400),
+    ("missing model", C, {"prompt": "hi"}, 400),
+    ("missing prompt", C, {"model": MODEL}, 400),
+    ("unknown model", C, {**OK, "model": "gpt-5"}, 404),
+    ("unknown field", C, {**OK, "frobnicate": True}, 400),
+    ("prompt wrong type", C, {**OK, "prompt": 12}, 400),
+    ("prompt empty list", C, {**OK, "prompt": []}, 400),
+    ("prompt empty string", C, {**OK, "prompt": ""}, 400),
+    ("max_tokens negative", C, {**OK, "max_tokens": -1}, 400),
+    ("max_tokens zero", C, {**OK, "max_tokens": 0}, 400),
+    ("max_tokens huge", C, {**OK, "max_tokens": 10**9}, 400),
+    ("max_tokens string", C, {**OK, "max_tokens": "ten"}, 400),
+    ("n zero", C, {**OK, "n": 0}, 400),
+    ("n huge", C, {**OK, "n": 100000}, 400),
+    ("temperature negative", C, {**OK, "temperature": -0.5}, 400),
+    ("temperature too high", C, {**OK, "temperature": 7}, 400),
+    ("top_p above one", C, {**OK, "top_p": 1.5}, 400),
+    ("top_p zero", C, {**OK, "top_p": 0}, 400),
+    ("top_k below -1", C, {**OK, "top_k": -5}, 400),
+    ("logprobs above 20", C, {**OK, "logprobs": 21}, 400),
+    ("presence penalty out of range", C, {**OK, "presence_penalty": 3}, 400),
+    ("token id out of vocabulary", C, {**OK, "prompt": [1, 2, 999999]}, 400),
+    ("negative token id", C, {**OK, "prompt": [-3]}, 400),
+    ("bad logit_bias key", C, {**OK, "logit_bias": {"abc": 1}}, 400),
+    ("logit_bias key out of vocabulary", C, {**OK, "logit_bias": {"999999": 1}}, 400),
+    ("logit_bias value out of range", C, {**OK, "logit_bias": {"5": 1000}}, 400),
+    ("stop list too long", C, {**OK, "stop": [f"s{i}" for i in range(40)]}, 400),
+    ("empty stop string", C, {**OK, "stop": [""]}, 400),
+    ("prompt over context", C, {**OK, "prompt": [5] * 5000}, 400),
+    ("body over size limit", C, {**OK, "prompt": "y" * (BODY_LIMIT + 10)}, 413),
+    ("suffix unsupported", C, {**OK, "suffix": "end"}, 400),
+    ("empty messages", CH, {"model": MODEL, "messages": []}, 400),
+    ("unknown role", CH, {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("image content part", CH, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
+    ("message without role", CH, {**CHAT, "messages": [{"content": "hi"}]}, 400),
+    ("response_format json", CH, {**CHAT, "response_format": {"type": "json_object"}}, 400),
+    ("top_logprobs without logprobs", CH, {**CHAT, "top_logprobs": 3}, 400),
+    ("top_logprobs above 20", CH, {**CHAT, "logprobs": True, "top_logprobs": 50}, 400),
+    ("max_completion_tokens negative", CH, {**CHAT, "max_completion_tokens": -2}, 400),
+    ("tools unsupported", CH, {**CHAT, "tools": [{"type": "function"}]}, 400),
+]
+
+
+def _send(url: str, path: str, body, headers=None):
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json", **(headers or {})},
+                          timeout=60)
+    return httpx.post(url + path, json=body, headers=headers, timeout=60)
+
+
+def _is_openai_error(r) -> bool:
+    try:
+        err = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(err.get("message"), str) and err["message"] and "type" in err \
+        and "param" in err and "code" in err and "Traceback" not in r.text
+
+
+def test_bad_input_table(server):
+    url = server.urls["rel"]
+    assert len(BAD_INPUTS) >= 30
+    failures = []
+    for name, path, body, status in BAD_INPUTS:
+        r = _send(url, path, body)
+        if r.status_code != status or not _is_openai_error(r):
+            failures.append((name, r.status_code, r.text[:200]))
+        # nothing a bad request does breaks the next good one
+        ok = _send(url, C, OK)
+        assert ok.status_code == 200, (name, ok.text)
+    assert not failures, failures
+    print(f"bad inputs tried: {len(BAD_INPUTS)}, all answered with the right 4xx")
+
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
+                         st.floats(allow_nan=False, allow_infinity=False, width=32), st.text(max_size=20))
+fields = st.fixed_dictionaries({}, optional={
+    "model": st.one_of(st.just(MODEL), json_scalars),
+    "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 600), max_size=8), json_scalars),
+    "max_tokens": st.one_of(st.integers(-3, 6), json_scalars),
+    "temperature": st.one_of(st.floats(-1, 3), json_scalars),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), json_scalars),
+    "top_k": st.one_of(st.integers(-3, 50), json_scalars),
+    "n": st.one_of(st.integers(-1, 3), json_scalars),
+    "logprobs": st.one_of(st.integers(-1, 25), json_scalars),
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=4), max_size=20), json_scalars),
+    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=6), st.floats(-200, 200), max_size=3), json_scalars),
+    "stream": st.booleans(),
+    "seed": st.one_of(st.integers(-10, 10**9), json_scalars),
+})
+bodies = st.tuples(fields, st.dictionaries(st.text(min_size=1, max_size=8), json_scalars, max_size=2)) \
+    .map(lambda t: {**t[1], **t[0]})
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies)
+def test_fuzz_completion_schema(server, body):
+    """Any JSON object gets a 200 or a well-formed 4xx, never a 5xx or a stack trace."""
+    r = httpx.post(server.urls["rel"] + C, json=body, timeout=60)
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        assert _is_openai_error(r), r.text
+
+
+# -- security ---------------------------------------------------------------------
+def test_tenants_never_share_prefix_blocks(server):
+    url = server.urls["sec"]
+    prompt = "The river ran quietly past the old mill, and the miller's daughter counted " * 3
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+    def cached(key, extra=None):
+        r = _send(url, C, {**body, **(extra or {})}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(KEY_A)
+    assert cached(KEY_A) > 0                      # a tenant hits its own blocks
+    assert cached(KEY_B) == 0                     # never the other tenant's
+    # a client-sent salt does not open another tenant's cache
+    from deployments.ingress import tenant_salt
+    assert cached(KEY_B, {"cache_salt": tenant_salt(KEY_A)}) == 0
+    assert cached(KEY_B) > 0
+
+
+def test_prompts_are_not_logged(server):
+    marker = "zebra-marker-7781"
+    r = _send(server.urls["rel"], C, {**OK, "prompt": f"{marker} hello"})
+    assert r.status_code == 200
+    time.sleep(1.0)
+    assert marker not in server.tail(10**7)
+
+
+# -- KV exhaustion ---------------------------------------------------------------------
+def test_kv_exhaustion_preempts_and_completes(server, default_model):
+    """20 blocks of 16 tokens, 12 concurrent requests of ~100 tokens each: far more than
+    fits. Every request completes through preemption, with its greedy tokens alone."""
+    url = server.urls["tiny"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(30, 60))] for _ in range(12)]
+    before = metric(metrics(url), "num_preemptions_total") or 0
+
+    async def one(cl, p):
+        r = await cl.post(url + C, json={"model": MODEL, "prompt": p, "max_tokens": 48, "temperature": 0,
+                                          "ignore_eos": True}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def run():
+        async with httpx.AsyncClient() as cl:
+            return await asyncio.gather(*(one(cl, p) for p in prompts))
+
+    texts = asyncio.run(run())
+    engine = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
+    for p, text in zip(prompts, texts):
+        alone = engine.generate([p], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
+        assert text == alone.outputs[0].text
+    text = wait_idle(url)
+    preemptions = metric(text, "num_preemptions_total") - before
+    print(f"KV exhaustion: 12 requests on 20 blocks, {preemptions:.0f} preemptions, all completed")
+    assert preemptions > 0
+    assert metric(text, "kv_cache_bytes_in_use") == 0
+
+
+# -- soak ---------------------------------------------------------------------------
+def test_soak_with_disconnects(server):
+    url = server.urls["rel"]
+    wait_idle(url)
+    warm = metric(metrics(url), "device_memory_active_bytes")
+    rng = random.Random(1234)
+    n_requests, concurrency = 1000, 24
+    plan = []
+    for i in range(n_requests):
+        plan.append({
+            "stream": rng.random() < 0.5,
+            "max_tokens": rng.randrange(1, 24),
+            "prompt": " ".join(rng.choice(["river", "mill", "boat", "bread", "clock", "star"])
+                               for _ in range(rng.randrange(1, 40))),
+            "disconnect_after": rng.randrange(1, 6) if rng.random() < 0.2 else None,
+        })
+    counts = {"completed": 0, "disconnected": 0, "bad_finish": 0, "errors": 0}
+
+    async def one(cl, spec):
+        body = {"model": MODEL, "prompt": spec["prompt"], "max_tokens": spec["max_tokens"],
+                "stream": spec["stream"], "ignore_eos": True, "temperature": 0.7}
+        if spec["disconnect_after"] is not None:
+            # a client that goes away mid-request: a stream closed after a few chunks
+            body.update(stream=True, max_tokens=200)
+            async with cl.stream("POST", url + C, json=body, timeout=60) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= spec["disconnect_after"]:
+                        break
+            counts["disconnected"] += 1
+            return
+        if spec["stream"]:
+            reasons, ntok = [], 0
+            async with cl.stream("POST", url + C, json=body, timeout=120) as r:
+                if r.status_code != 200:
+                    counts["errors"] += 1
+                    return
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        ev = json.loads(line[6:])
+                        if "error" in ev:
+                            counts["errors"] += 1
+                            return
+                        for c in ev["choices"]:
+                            ntok += 1
+                            if c["finish_reason"]:
+                                reasons.append(c["finish_reason"])
+            ok = reasons == ["length"]
+        else:
+            r = await cl.post(url + C, json=body, timeout=120)
+            if r.status_code != 200:
+                counts["errors"] += 1
+                return
+            data = r.json()
+            ok = data["choices"][0]["finish_reason"] == "length" \
+                and data["usage"]["completion_tokens"] == spec["max_tokens"]
+        counts["completed" if ok else "bad_finish"] += 1
+
+    async def run():
+        sem = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency * 2)
+        async with httpx.AsyncClient(limits=limits) as cl:
+            async def guarded(spec):
+                async with sem:
+                    await one(cl, spec)
+            await asyncio.wait_for(asyncio.gather(*(guarded(s) for s in plan)), timeout=900)
+
+    t0 = time.monotonic()
+    asyncio.run(run())
+    wall = time.monotonic() - t0
+    text = wait_idle(url)
+    after = metric(text, "device_memory_active_bytes")
+    growth = after - warm
+    print(f"soak: {n_requests} requests in {wall:.0f}s, {counts['completed']} completed, "
+          f"{counts['disconnected']} disconnected, {counts['bad_finish']} wrong finish, "
+          f"{counts['errors']} errors; KV bytes held after {metric(text, 'kv_cache_bytes_in_use'):.0f}; "
+          f"MLX memory {warm / 2**20:.1f} MiB after warm-up, {after / 2**20:.1f} MiB after soak")
+    assert counts["errors"] == 0 and counts["bad_finish"] == 0
+    assert counts["completed"] + counts["disconnected"] == n_requests
+    assert metric(text, "num_requests_running") == 0 and metric(text, "num_requests_waiting") == 0
+    assert metric(text, "kv_cache_bytes_in_use") == 0                 # blocks leaked: 0
+    assert growth <= 64 << 20, f"engine memory grew by {growth / 2**20:.1f} MiB"
+
+
+# -- replica failure (last: it kills a process) --------------------------------------------
+def _replica_pids(app_name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app_name}:LLMServer"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_replica_failure_recovers(server):
+    url = server.urls["rel"]
+    pids = _replica_pids("rel")
+    assert pids, "no LLMServer replica process found"
+
+    async def client(cl, i):
+        t = time.monotonic()
+        try:
+            r = await cl.post(url + C, json={"model": MODEL, "prompt": f"story {i}", "max_tokens": 400,
+                                             "ignore_eos": True}, timeout=90)
+            return r.status_code, time.monotonic() - t
+        except httpx.HTTPError as e:
+            return type(e).__name__, time.monotonic() - t
+
+    async def run():
+        async with httpx.AsyncClient() as cl:
+            tasks = [asyncio.create_task(client(cl, i)) for i in range(8)]
+            await asyncio.sleep(1.5)
+            for p in pids:
+                os.kill(p, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    print(f"replica killed mid-load; in-flight outcomes: {results}")
+    assert all(elapsed < 90 for _, elapsed in results), "a client hung"
+    assert all(code in (200, 503) for code, _ in results), results   # an error, or the answer
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        new = _replica_pids("rel")
+        if new and not set(new) & set(pids):
+            try:
+                if _send(url, C, OK).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+        time.sleep(1)
+    r = _send(url, C, OK)
+    assert r.status_code == 200, r.text
+    assert _replica_pids("rel") and not set(_replica_pids("rel")) & set(pids)
