@@ -43,7 +43,7 @@ class LLMServer:
                                                   priority=priority, cache_salt=cache_salt):
                 if out.finished:
                     out.replica_id = self.replica_id
-                    out.engine_stats = self.engine.stats()
+                    out.engine_stats = self.stats()
                 yield out
         except InvalidRequestError as e:
             yield error_item(e)
@@ -68,7 +68,7 @@ class LLMServer:
             return {"dead": True}
         s = self.engine.stats()
         return {"load": s["running"] + s["waiting"], "running": s["running"], "waiting": s["waiting"],
-                "kv_cache_usage": s["kv_cache_usage"],
+                "kv_cache_usage": s["kv_cache_usage"], "block_size": s["block_size"],
                 "block_hashes": self.engine.cached_block_hashes(ROUTING_HASH_LIMIT)}
 
     def __del__(self):

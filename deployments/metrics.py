@@ -38,6 +38,12 @@ class _ReplicaStats:
         "num_preemptions": ("preemptions", "Sequences preempted for lack of KV blocks."),
     }
 
+    PER_REPLICA = {
+        "replica_requests_finished": ("requests_finished", "Requests finished, per replica."),
+        "replica_prefix_cache_query_tokens": ("prefix_cache_query_tokens", "Prefix-cache query tokens, per replica."),
+        "replica_prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prefix-cache hit tokens, per replica."),
+    }
+
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.snapshots: dict[str, tuple[float, dict]] = {}
@@ -59,6 +65,11 @@ class _ReplicaStats:
         for name, (key, doc) in self.COUNTERS.items():
             c = CounterMetricFamily(P + name, doc, labels=labels)
             c.add_metric([self.model_name], sum(s.get(key, 0) for s in live))
+            yield c
+        for name, (key, doc) in self.PER_REPLICA.items():
+            c = CounterMetricFamily(P + name, doc, labels=labels + ["replica"])
+            for s in live:
+                c.add_metric([self.model_name, s["replica_id"]], s.get(key, 0))
             yield c
 
 

@@ -1,0 +1,191 @@
+"""A simulated Mac cluster on this machine: aggregate throughput of 1 vs 2 replicas, and
+prefix-aware routing vs Ray's default router on a multi-prefix workload.
+
+`ray.cluster_utils.Cluster` runs a head node and one node per simulated Mac (custom
+resource `mac`), all on 127.0.0.1. Each `LLMServer` replica needs one `mac`, so
+replicas land one per node. Writes `bench/results/cluster.json` and a PNG.
+
+    python bench/cluster_bench.py
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "default"
+ROUTER = {"request_router_class": "deployments.router:PrefixAwareRouter",
+          "request_router_kwargs": {"imbalance_threshold": 8},
+          "request_routing_stats_period_s": 1, "request_routing_stats_timeout_s": 5}
+
+
+def start_cluster(num_macs: int):
+    """A head node plus `num_macs` nodes with a `mac` resource; Serve on 127.0.0.1."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from tests.serving import free_port
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(num_macs):
+        cluster.add_node(num_cpus=2, resources={"mac": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return cluster, f"http://127.0.0.1:{port}"
+
+
+def stop_cluster(cluster) -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks: int = 48,
+           autoscaling: dict | None = None):
+    from ray import serve
+
+    from deployments.app import AppArgs, build_app
+
+    llm = {"num_replicas": replicas, "max_replicas_per_node": 1, "max_ongoing_requests": 64,
+           "ray_actor_options": {"num_cpus": 0.5, "resources": {"mac": 1}}}
+    if router:
+        llm["request_router_config"] = router
+    if autoscaling:
+        llm["autoscaling_config"] = autoscaling
+    args = AppArgs(served_model_name=MODEL, llm_server=llm,
+                   engine={"num_gpu_blocks": kv_blocks, "block_size": 16, "max_num_seqs": 32},
+                   ingress={"ray_actor_options": {"num_cpus": 0.1}})
+    serve.run(build_app(args), name=name, route_prefix=route)
+
+
+def replica_metrics(url: str) -> dict[str, dict[str, float]]:
+    """Per-replica counters from `/metrics`: {replica: {metric: value}}."""
+    out: dict[str, dict[str, float]] = {}
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for m in re.finditer(r'^mlx_paged_serve:replica_(\w+?)(?:_total)?\{[^}]*replica="([^"]+)"[^}]*\} ([0-9.e+-]+)$',
+                         text, re.M):
+        out.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    return out
+
+
+def families(n_families: int, prefix_blocks: int, per_family: int, seed: int = 0) -> list[list[int]]:
+    """Prompts sharing one of `n_families` prefixes of `prefix_blocks` full blocks, each
+    with its own 8-token tail, in a random order."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(16 * prefix_blocks)] for _ in range(n_families)]
+    prompts = [prefixes[f] + [rng.randrange(3, 500) for _ in range(8)]
+               for _ in range(per_family) for f in range(n_families)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+async def _run(url: str, prompts: list, concurrency: int, max_tokens: int) -> dict:
+    ttfts, tokens = [], 0
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(cl, p):
+        nonlocal tokens
+        async with sem:
+            t = time.perf_counter()
+            first = None
+            async with cl.stream("POST", url + "/v1/completions", timeout=300, json={
+                    "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        first = first or time.perf_counter()
+                        tokens += sum(1 for c in json.loads(line[6:])["choices"] if c["text"])
+            ttfts.append(first - t)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)) as cl:
+        await asyncio.gather(*(one(cl, p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
+            "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p95_s": float(np.percentile(ttfts, 95))}
+
+
+def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int = 8) -> dict:
+    before = replica_metrics(url)
+    res = asyncio.run(_run(url, prompts, concurrency, max_tokens))
+    time.sleep(1.5)
+    after = replica_metrics(url)
+    q = h = 0.0
+    per_replica = {}
+    for rep, m in after.items():
+        b = before.get(rep, {})
+        dq = m.get("prefix_cache_query_tokens", 0) - b.get("prefix_cache_query_tokens", 0)
+        dh = m.get("prefix_cache_hit_tokens", 0) - b.get("prefix_cache_hit_tokens", 0)
+        per_replica[rep] = m.get("requests_finished", 0) - b.get("requests_finished", 0)
+        q, h = q + dq, h + dh
+    res.update(hit_rate=h / q if q else 0.0, requests_per_replica=per_replica)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", type=int, default=16)
+    ap.add_argument("--per-family", type=int, default=4)
+    ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
+    args = ap.parse_args(argv)
+    cluster, url = start_cluster(num_macs=2)
+    try:
+        deploy("one", "/one", 1, None, kv_blocks=256)
+        deploy("two", "/two", 2, None, kv_blocks=256)
+        rng = random.Random(5)
+        load = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(48)]
+        run_workload(url + "/one", load[:4], 4, 8)
+        run_workload(url + "/two", load[:4], 4, 8)
+        one = run_workload(url + "/one", load, concurrency=16, max_tokens=48)
+        two = run_workload(url + "/two", load, concurrency=16, max_tokens=48)
+        from ray import serve
+        for name in ("one", "two"):          # free the simulated Macs
+            serve.delete(name)
+
+        deploy("prefix", "/prefix", 2, ROUTER, kv_blocks=44)
+        deploy("default", "/default", 2, None, kv_blocks=44)
+        prompts = families(args.families, prefix_blocks=5, per_family=args.per_family)
+        pre = run_workload(url + "/prefix", prompts)
+        dflt = run_workload(url + "/default", prompts)
+    finally:
+        stop_cluster(cluster)
+    result = {
+        "replicas_1_output_tok_s": one["output_tok_s"], "replicas_2_output_tok_s": two["output_tok_s"],
+        "prefix_router_hit_rate": pre["hit_rate"], "default_router_hit_rate": dflt["hit_rate"],
+        "prefix_router_ttft_p50_s": pre["ttft_p50_s"], "default_router_ttft_p50_s": dflt["ttft_p50_s"],
+        "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
+        "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
+        "details": {"one": one, "two": two, "prefix": pre, "default": dflt},
+        "note": "simulated nodes share this machine's 2 cores; MLX threads are not pinned",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "
+          f"({result['throughput_ratio_2_vs_1']:.2f}x)")
+    print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
+          f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
