@@ -142,7 +142,7 @@ class ModelRunner:
         whose attention bypasses the hook, and a head split that does not hold.
         Block 0 is free at start-up, so nothing is disturbed."""
         from .sampling_params import SamplingParams
-        from .sequence import PLACEHOLDER,  Sequence
+        from .sequence import Sequence
 
         if atol is None:
             # Wrong attention is off by O(1); half precision rounds to a few percent.

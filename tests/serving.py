@@ -1,6 +1,7 @@
 """Start and stop a real `serve run` for tests, on 127.0.0.1 and a free port."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,6 +76,18 @@ class ServeRun:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
+
+
+def metric(text: str, name: str) -> float | None:
+    """The first sample of `mlx_paged_serve:<name>` in Prometheus text, or None."""
+    m = re.search(rf"^mlx_paged_serve:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def replica_pids(app_name: str) -> list[int]:
+    """PIDs of the `LLMServer` replica processes of one Serve application."""
+    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app_name}:LLMServer"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
 
 
 def app(name: str, route_prefix: str, **args) -> dict:

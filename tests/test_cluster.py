@@ -3,13 +3,14 @@ lost mid-run, and autoscaling."""
 
 import os
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from bench.cluster_bench import ROUTER, deploy, families, replica_metrics, run_workload, start_cluster, stop_cluster
+from bench.cluster_bench import ROUTER, deploy, families, run_workload, start_cluster, stop_cluster
+
+from .serving import replica_pids
 
 MODEL = "default"
 
@@ -39,14 +40,9 @@ def test_prefix_aware_routing_beats_default(cluster):
     assert pre["hit_rate"] >= 1.3 * dflt["hit_rate"]
 
 
-def _pids(app: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app}:LLMServer"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 def test_lost_replica_stops_receiving_traffic(cluster):
     url = cluster + "/prefix"
-    pids = _pids("prefix")
+    pids = replica_pids("prefix")
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
     time.sleep(1.0)

@@ -1,7 +1,6 @@
 """The real app under `serve run`, driven by the official `openai` client and httpx."""
 
 import asyncio
-import json
 import re
 import time
 
@@ -11,7 +10,7 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app
+from .serving import ServeRun, app, metric
 
 KEY = "sk-test-tenant-a"
 MODEL = "default"
@@ -213,11 +212,6 @@ def test_backpressure_gives_503_with_retry_after(server):
     _assert_error(r503, 503)
 
 
-def _metric(text, name):
-    m = re.search(rf"^mlx_paged_serve:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
-
-
 def test_disconnect_mid_stream_frees_blocks(server):
     body = {"model": MODEL, "prompt": "The river", "max_tokens": 3000, "ignore_eos": True,
             "stream": True}
@@ -231,11 +225,11 @@ def test_disconnect_mid_stream_frees_blocks(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         text = httpx.get(server.urls["main"] + "/metrics").text
-        if _metric(text, "num_requests_running") == 0 and _metric(text, "kv_cache_bytes_in_use") == 0:
+        if metric(text, "num_requests_running") == 0 and metric(text, "kv_cache_bytes_in_use") == 0:
             break
         time.sleep(0.5)
-    assert _metric(text, "num_requests_running") == 0
-    assert _metric(text, "kv_cache_bytes_in_use") == 0
+    assert metric(text, "num_requests_running") == 0
+    assert metric(text, "kv_cache_bytes_in_use") == 0
 
 
 def test_metrics_after_traffic(server, client):
@@ -243,15 +237,15 @@ def test_metrics_after_traffic(server, client):
     for _ in range(2):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     text = httpx.get(server.urls["main"] + "/metrics").text
-    assert _metric(text, "time_to_first_token_seconds_count") > 0
-    assert _metric(text, "e2e_request_latency_seconds_count") > 0
-    assert _metric(text, "inter_token_latency_seconds_count") > 0
-    assert _metric(text, "prefix_cache_hits_total") > 0
-    assert _metric(text, "prefix_cache_queries_total") >= _metric(text, "prefix_cache_hits_total")
-    assert _metric(text, "generation_tokens_total") > 0
-    assert _metric(text, "num_preemptions_total") is not None
-    assert _metric(text, "kv_cache_usage_perc") is not None
-    assert _metric(text, "num_requests_waiting") is not None
+    assert metric(text, "time_to_first_token_seconds_count") > 0
+    assert metric(text, "e2e_request_latency_seconds_count") > 0
+    assert metric(text, "inter_token_latency_seconds_count") > 0
+    assert metric(text, "prefix_cache_hits_total") > 0
+    assert metric(text, "prefix_cache_queries_total") >= metric(text, "prefix_cache_hits_total")
+    assert metric(text, "generation_tokens_total") > 0
+    assert metric(text, "num_preemptions_total") is not None
+    assert metric(text, "kv_cache_usage_perc") is not None
+    assert metric(text, "num_requests_waiting") is not None
 
 
 def test_cached_tokens_in_usage(client):

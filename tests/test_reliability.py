@@ -7,9 +7,7 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import time
 
 import httpx
@@ -19,7 +17,7 @@ from hypothesis import strategies as st
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app
+from .serving import ServeRun, app, metric, replica_pids
 
 MODEL = "default"
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
@@ -44,11 +42,6 @@ def server():
     ])
     yield srv
     srv.stop()
-
-
-def metric(text: str, name: str) -> float | None:
-    m = re.search(rf"^mlx_paged_serve:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
 
 
 def metrics(url: str) -> str:
@@ -325,14 +318,9 @@ def test_soak_with_disconnects(server):
 
 
 # -- replica failure (last: it kills a process) --------------------------------------------
-def _replica_pids(app_name: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app_name}:LLMServer"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 def test_replica_failure_recovers(server):
     url = server.urls["rel"]
-    pids = _replica_pids("rel")
+    pids = replica_pids("rel")
     assert pids, "no LLMServer replica process found"
 
     async def client(cl, i):
@@ -358,7 +346,7 @@ def test_replica_failure_recovers(server):
     assert all(code in (200, 503) for code, _ in results), results   # an error, or the answer
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        new = _replica_pids("rel")
+        new = replica_pids("rel")
         if new and not set(new) & set(pids):
             try:
                 if _send(url, C, OK).status_code == 200:
@@ -368,4 +356,4 @@ def test_replica_failure_recovers(server):
         time.sleep(1)
     r = _send(url, C, OK)
     assert r.status_code == 200, r.text
-    assert _replica_pids("rel") and not set(_replica_pids("rel")) & set(pids)
+    assert replica_pids("rel") and not set(replica_pids("rel")) & set(pids)
