@@ -114,10 +114,6 @@ class AsyncEngine:
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"engine loop stopped: {self._error!r}")
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._waiters)
-
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._commands.put(("stop", None, None, None))

@@ -6,7 +6,6 @@ it on a background thread for servers.
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -35,8 +34,6 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     sent: list[int] = field(default_factory=list)   # output tokens already returned, per seq
 
     def __post_init__(self):
@@ -181,8 +178,6 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         self._counters["generation_tokens"] += 1
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
         detok = req.detoks[seq.index]
         p = seq.params
         reason = None

@@ -60,7 +60,7 @@ class ModelRunner:
         log.info("attention backend %s (%s)", self.attention_backend, why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
-        self.patched_modules = install_hook(model)
+        install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
 
     # -- forward ---------------------------------------------------------

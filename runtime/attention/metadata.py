@@ -40,10 +40,6 @@ class GroupMetadata:
     out_rows: mx.array | None = None
 
     @property
-    def num_seqs(self) -> int:
-        return self.block_tables.shape[0]
-
-    @property
     def single_query(self) -> bool:
         return self.query_pos.shape[1] == 1
 
