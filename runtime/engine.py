@@ -251,6 +251,8 @@ class LLMEngine:
         usage = self.kv.usage()
         pc = self.kv.cache.stats
         held = usage.num_total_blocks - usage.num_free_blocks
+        per_block = self.runner.pool.bytes_per_block
+        pool = self.kv.pool
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
@@ -261,7 +263,9 @@ class LLMEngine:
             "num_blocks_held_by_requests": held,
             "block_size": self.config.block_size,
             "kv_cache_bytes_total": self.runner.pool.nbytes,
-            "kv_cache_bytes_in_use": held * self.runner.pool.bytes_per_block,
+            "kv_cache_bytes_in_use": held * per_block,
+            "kv_cache_bytes_peak": pool.peak_used * per_block,
+            "kv_cache_bytes_saved_by_sharing": pool.num_shared_refs * per_block,
             "kv_cache_usage": held / usage.num_total_blocks,
             "prefix_cache_queries": pc.queries,
             "prefix_cache_hits": pc.hits,

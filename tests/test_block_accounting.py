@@ -27,6 +27,9 @@ def assert_exact_refcounts(engine):
         assert pool.block_hash[engine.kv.cache._blocks[h]] == h
     for s in live:
         assert len(s.block_ids) == len(set(s.block_ids))
+    assert pool.num_refs == sum(held.values())
+    assert pool.num_shared_refs == sum(held.values()) - len(held)
+    assert pool.peak_used >= len(held)
 
 
 ops = st.lists(
@@ -62,7 +65,6 @@ def test_random_interleavings_keep_exact_accounting(engine, ops):
         engine.step()
         assert_exact_refcounts(engine)
     s = engine.stats()
-    print("PRE", s["preemptions"], s["prefix_cache_hit_tokens"], len(ops))
     assert s["running"] == s["waiting"] == 0
     assert s["num_blocks_held_by_requests"] == 0
     assert s["num_free_blocks"] == s["num_total_blocks"]
@@ -75,3 +77,22 @@ def test_the_property_run_exercised_preemption_and_sharing(engine):
     assert s["preemptions"] > 0
     assert s["prefix_cache_hit_tokens"] > 0
     assert s["prefix_cache_evictions"] > 0
+    assert 0 < s["kv_cache_bytes_peak"] <= s["kv_cache_bytes_total"]
+
+
+def test_sharing_telemetry_counts_blocks_shared_by_live_requests(model_dirs):
+    engine = LLMEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=32, block_size=4))
+    per_block = engine.runner.pool.bytes_per_block
+    prompt = list(range(3, 3 + 13))                    # 3 full blocks + 1 token
+    engine.add_request("a", None, SamplingParams(max_tokens=4, n=3, temperature=0.7, seed=1),
+                       prompt_token_ids=prompt)
+    engine.step()
+    s = engine.stats()
+    # Three samples share the 3 full prompt blocks; each holds its own last block.
+    assert s["kv_cache_bytes_saved_by_sharing"] == 2 * 3 * per_block
+    assert s["kv_cache_bytes_in_use"] == (3 + 3) * per_block
+    while engine.has_unfinished_requests():
+        engine.step()
+    s = engine.stats()
+    assert s["kv_cache_bytes_saved_by_sharing"] == s["kv_cache_bytes_in_use"] == 0
+    assert s["kv_cache_bytes_peak"] >= 6 * per_block

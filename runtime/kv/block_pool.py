@@ -19,6 +19,20 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # OrderedDict gives O(1) pop from the head and O(1) removal from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Telemetry: references summed over blocks (a block shared by k sequences counts
+        # k), and the most blocks ever held at once.
+        self.num_refs = 0
+        self.peak_used = 0
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_shared_refs(self) -> int:
+        """Block references served by a block some other sequence also holds: the
+        blocks sharing saves right now."""
+        return self.num_refs - self.num_used
 
     @property
     def num_free(self) -> int:
@@ -31,19 +45,24 @@ class BlockPool:
         """Take the least recently used free block; the caller evicts its hash."""
         block_id, _ = self._free.popitem(last=False)
         self.ref_cnt[block_id] = 1
+        self.num_refs += 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return block_id
 
     def touch(self, block_id: int) -> None:
         """Add a reference, taking the block out of the free queue if it was there."""
         if self.ref_cnt[block_id] == 0:
             del self._free[block_id]
+            self.peak_used = max(self.peak_used, self.num_used)
         self.ref_cnt[block_id] += 1
+        self.num_refs += 1
 
     def release(self, block_ids) -> None:
         """Drop one reference from each block. Cached blocks join the LRU tail;
         uncached ones go to the head, since nothing is lost by reusing them first."""
         for block_id in block_ids:
             self.ref_cnt[block_id] -= 1
+            self.num_refs -= 1
             assert self.ref_cnt[block_id] >= 0, f"block {block_id} released twice"
             if self.ref_cnt[block_id] == 0:
                 self._free[block_id] = None
