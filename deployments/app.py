@@ -54,7 +54,10 @@ class AppArgs(BaseModel):
     default_max_tokens: int = 256
     retry_after_s: int = 1
     health_timeout_s: float = 5.0
-
+    stream_interval_ms: float = Field(
+        50.0, ge=0, description="after a stream's first chunk, at most one chunk per interval per "
+                                "request (the last at once): each chunk costs a Ray message through "
+                                "replica, ingress and proxy; 0 streams every engine step")
 
     @field_validator("engine")
     @classmethod
@@ -94,4 +97,4 @@ def build_app(args: AppArgs) -> serve.Application:
     }
     server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress))
-    return ingress.bind(server.bind(engine), settings)
+    return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3), settings)

@@ -302,7 +302,8 @@ class OpenAIIngress:
                     "finish_reason": None} for i in range(body.n)]
 
         def choice(o):
-            return {"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+            delta = {"content": o.delta_text} if o.delta_text or o.delta_token_ids else {}
+            return {"index": o.index, "delta": delta,
                     "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": o.finish_reason}
 

@@ -24,8 +24,9 @@ def error_item(e: Exception) -> dict:
 
 
 class LLMServer:
-    def __init__(self, engine_config: dict):
+    def __init__(self, engine_config: dict, stream_interval_s: float = 0.0):
         self.engine = AsyncEngine(EngineConfig(**engine_config))
+        self.stream_interval_s = stream_interval_s
         try:
             from ray import serve
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -40,7 +41,8 @@ class LLMServer:
         try:
             async for out in self.engine.generate(None, params, request_id,
                                                   prompt_token_ids=prompt_token_ids,
-                                                  priority=priority, cache_salt=cache_salt):
+                                                  priority=priority, cache_salt=cache_salt,
+                                                  stream_interval_s=self.stream_interval_s):
                 if out.finished:
                     out.replica_id = self.replica_id
                     out.engine_stats = self.stats()

@@ -74,23 +74,41 @@ class AsyncEngine:
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Yield a `RequestOutput` whenever the request has new tokens; the last one has
-        `finished=True`. Invalid input raises the engine's typed error on first iteration."""
+        `finished=True`. Invalid input raises the engine's typed error on first iteration.
+
+        Outputs that pile up while the caller is busy come merged into one. With
+        `stream_interval_s`, after the first output at most one merged output is yielded
+        per interval (the final one at once): fewer, larger chunks for transports that
+        pay per message."""
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(("add", request_id, waiter, dict(
             prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
             priority=priority, cache_salt=cache_salt)))
-        finished = False
+        loop = asyncio.get_running_loop()
+        finished, last_yield = False, None
         try:
             while True:
                 item = await waiter.queue.get()
+                while not isinstance(item, BaseException) and not item.finished:
+                    if not waiter.queue.empty():
+                        newer = waiter.queue.get_nowait()
+                    elif last_yield is not None and (wait := last_yield + stream_interval_s - loop.time()) > 0:
+                        try:
+                            newer = await asyncio.wait_for(waiter.queue.get(), wait)
+                        except asyncio.TimeoutError:
+                            break
+                    else:
+                        break
+                    item = newer if isinstance(newer, BaseException) else item.absorb(newer)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
+                last_yield = loop.time()
                 yield item
                 if finished:
                     return
@@ -180,10 +198,24 @@ class AsyncEngine:
             self._stopping = True
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step, not one per request: a thread-safe
+        call writes to the loop's self-pipe, and at hundreds of requests per step those
+        writes and wake-ups would cost more than the step's scheduling."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             w = self._waiters.get(out.request_id)
             if w is None:
                 continue
-            w.put(out)
+            batches.setdefault(w.loop, []).append((w.queue, out))
             if out.finished:
                 del self._waiters[out.request_id]
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # that loop is closed; nobody is listening
+
+
+def _deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)

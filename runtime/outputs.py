@@ -40,6 +40,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
 
+    def absorb(self, newer: "RequestOutput") -> "RequestOutput":
+        """`newer`, with this output's deltas in front of its own: one output standing
+        for both, for streams that send fewer, larger chunks."""
+        older = {o.index: o for o in self.outputs}
+        for o in newer.outputs:
+            prev = older.get(o.index)
+            if prev is not None:
+                o.delta_text = prev.delta_text + o.delta_text
+                o.delta_token_ids = list(prev.delta_token_ids) + list(o.delta_token_ids)
+                o.delta_logprobs = list(prev.delta_logprobs) + list(o.delta_logprobs)
+        return newer
+
     @property
     def usage(self) -> dict:
         completion = sum(len(o.token_ids) for o in self.outputs)

@@ -94,6 +94,37 @@ def test_async_generate_streams_and_matches_sync(async_engine, engine):
     assert "".join(o.outputs[0].delta_text for o in outs) == want.text
 
 
+def test_stream_interval_merges_outputs_without_losing_tokens(async_engine, engine):
+    """A long interval leaves two outputs, the first token and the rest merged; their
+    deltas still add up to exactly the tokens and text of an unmerged run."""
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    async def run(interval):
+        return [o async for o in async_engine.generate("The baker", p, stream_interval_s=interval)]
+
+    merged, plain = asyncio.run(run(60.0)), asyncio.run(run(0.0))
+    want = engine.generate(["The baker"], p)[0].outputs[0]
+    assert len(merged) == 2 and len(plain) > 2
+    assert len(merged[0].outputs[0].delta_token_ids) == 1
+    for outs in (merged, plain):
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == want.token_ids
+        assert "".join(o.outputs[0].delta_text for o in outs) == want.text
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == want.token_ids
+
+
+def test_serve_bench_engine_backend_counts_every_token(async_engine):
+    from bench import serve_bench as sb
+
+    src = sb.TextSource(async_engine.tokenizer, seed=1)
+    reqs = sb.random_workload(src, 6, 24, 5, 0.5)
+    extra = sb.eos_logit_bias(async_engine.tokenizer)
+    s = asyncio.run(sb.run(sb.EngineBackend(async_engine, extra), reqs, max_concurrency=3, progress=False,
+                           slo={"ttft": 60.0}, sampler=lambda: async_engine.stats()["running"]))
+    assert s["completed"] == 6 and s["total_output_tokens"] == sum(r.output_len for r in reqs)
+    assert s["goodput"] == s["request_throughput"]          # a one-minute TTFT SLO is always met
+    assert len(s["samples"]) >= 1
+
+
 def test_async_cancel_frees_blocks(async_engine):
     p = SamplingParams(temperature=0.8, max_tokens=1500, ignore_eos=True)
 

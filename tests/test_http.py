@@ -24,7 +24,7 @@ def server():
             llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5},
                         "max_ongoing_requests": 64},
             ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
-            max_request_body_bytes=64 << 10),
+            max_request_body_bytes=64 << 10, stream_interval_ms=0),
         app("secure", "/secure", served_model_name=MODEL, engine=small, api_keys=[KEY, "sk-other"],
             llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5},
                         "max_ongoing_requests": 1, "max_queued_requests": 1},
@@ -276,3 +276,36 @@ def test_shipped_config_serves_the_default_model():
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
     finally:
         srv.stop()
+
+
+def test_serve_bench_measures_the_real_server(server):
+    """bench/serve_bench.py against this server: every request completes with exactly
+    its output length (EOS banned through logit_bias), the prefix workload hits the
+    cache, multi-turn sessions carry their history, and the timings are consistent."""
+    from mlx_lm.utils import load_tokenizer
+
+    from bench import serve_bench as sb
+    from runtime.models import default_model_path
+
+    tok = load_tokenizer(default_model_path())
+    src = sb.TextSource(tok, seed=3)
+    backend_args = (server.urls["main"], MODEL, sb.eos_logit_bias(tok))
+
+    async def go(reqs, **kw):
+        backend = sb.HTTPBackend(*backend_args)
+        try:
+            return await sb.run(backend, reqs, progress=False, **kw)
+        finally:
+            await backend.aclose()
+
+    prefix = asyncio.run(go(sb.prefix_workload(src, 8, 64, 2, 8, 6), max_concurrency=2))
+    assert prefix["completed"] == 8 and prefix["failed"] == 0
+    assert prefix["total_output_tokens"] == 8 * 6
+    assert prefix["cached_prompt_tokens"] >= 6 * 48          # 6 of 8 requests find their prefix
+    assert prefix["ttft_s"]["p50"] <= prefix["e2el_s"]["p50"]
+    assert prefix["tpot_s"]["mean"] > 0 and prefix["itl_s"]["mean"] > 0
+
+    turns = asyncio.run(go(sb.multi_turn_workload(src, 2, 3, 16, 4), request_rate=20.0))
+    assert turns["completed"] == 6 and turns["total_output_tokens"] == 6 * 4
+    assert turns["cached_prompt_tokens"] > 0                # later turns resend their history
+    assert turns["request_rate"] == 20.0
