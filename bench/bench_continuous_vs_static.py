@@ -101,7 +101,7 @@ def median_row(runs: list[dict]) -> dict:
     return out
 
 
-def run_ours(engine: LLMEngine, reqs, streams: int, name: str):
+def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None):
     pending = list(enumerate(reqs))
     submit, first, out_tokens = {}, {}, 0
     mx.reset_peak_memory()
@@ -117,7 +117,10 @@ def run_ours(engine: LLMEngine, reqs, streams: int, name: str):
     for _ in range(min(streams, len(pending))):
         launch()
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        outputs = engine.step()
+        if on_step:
+            on_step()
+        for o in outputs:
             now = time.perf_counter()
             first.setdefault(o.request_id, now)
             if o.finished:
@@ -129,7 +132,7 @@ def run_ours(engine: LLMEngine, reqs, streams: int, name: str):
     return summarize(name, streams, reqs, ttfts, out_tokens, wall, mx.get_peak_memory())
 
 
-def run_mlx_lm(model, reqs, streams: int):
+def run_mlx_lm(model, reqs, streams: int, on_step=None):
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=max(streams, 1),
@@ -147,6 +150,8 @@ def run_mlx_lm(model, reqs, streams: int):
     for _ in range(min(streams, len(pending))):
         launch()
     while responses := gen.next_generated():
+        if on_step:
+            on_step(gen)
         now = time.perf_counter()
         for r in responses:
             first.setdefault(r.uid, now)
@@ -209,6 +214,23 @@ def single_stream_vs_generate_step(engine: LLMEngine, model, args) -> dict:
             "mlx_lm_generate_step_tok_s": g, "ratio": o / g}
 
 
+SYSTEM_NAMES = {"ours-continuous": "ours", "mlx_lm.BatchGenerator": "mlx-lm", "ours-static": "static"}
+
+
+def flat_rows(rows: list[dict], single: dict | None, meta: dict) -> list[dict]:
+    """One row per (system, streams) with the fixed field names; the single-stream
+    comparison rides on the `ours` row at one stream."""
+    out = []
+    for r in rows:
+        row = {**r, "system": SYSTEM_NAMES.get(r["system"], r["system"]), "label": r["system"], "meta": meta}
+        if single and row["system"] == "ours" and row["streams"] == 1:
+            row.update(single_stream_tok_s=single["ours_tok_s"],
+                       generate_step_tok_s=single["mlx_lm_generate_step_tok_s"],
+                       single_stream_ratio=single["ratio"])
+        out.append(row)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="'default', 'llama-1b' (random, bf16) or a path")
@@ -225,6 +247,8 @@ def main(argv=None):
                     help="also compare one request's decode with mlx-lm's generate_step")
     ap.add_argument("--systems", nargs="+", default=["static", "continuous", "mlx_lm"])
     ap.add_argument("--out", default=str(RESULTS / "continuous_vs_static_cpu.json"))
+    ap.add_argument("--rows-out", default=None,
+                    help="also write a flat JSON list of rows, systems named ours / mlx-lm / static")
     args = ap.parse_args(argv)
 
     path = resolve_model(args.model)
@@ -305,6 +329,9 @@ def main(argv=None):
     meta.update(copy_bandwidth_bytes_s=bandwidth, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "single_stream": single}, indent=2))
     print(f"\nwrote {args.out}")
+    if args.rows_out:
+        Path(args.rows_out).write_text(json.dumps(flat_rows(rows, single, meta), indent=2))
+        print(f"wrote {args.rows_out}")
     return rows
 
 

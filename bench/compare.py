@@ -1,0 +1,532 @@
+"""Side by side, in one run, on one model: our `serve run` app, our bare engine (no Ray,
+no HTTP), `mlx_lm.server`, and vllm-mlx when it is installed; plus our app with the
+prefix cache off, and (on CUDA) with gather instead of kernel attention.
+
+Every system gets the same requests from `serve_bench.py`, with EOS banned through
+`logit_bias` so each request produces exactly its output length. Workloads:
+
+- `random`: a concurrency sweep (burst arrivals, `--concurrency` cap), for throughput
+  vs load and saturation;
+- `random-poisson`: Poisson arrivals at the rate where `mlx_lm.server` delivers 80 % of
+  its peak throughput in the sweep, for TTFT under a load everyone can carry;
+- `prefix`: requests sharing a few long prefixes (APC on vs off);
+- `multi-turn`: chat sessions that resend their history;
+- `kv-memory`: in-process, closed loop, KV bytes held per step, our paged pool vs
+  mlx-lm's `BatchGenerator` (the batcher `mlx_lm.server` runs) on the same requests.
+
+Writes `bench/results/compare_<tag>.json` (a list of rows) and `compare_<tag>.png`.
+
+    python bench/compare.py                                   # CPU, embedded model
+    python bench/compare.py --model llama-1b --tag gpu --input-len 512 --output-len 128 \\
+        --concurrency 1 8 32 64 128 256 --kv-cache-gb 16 --max-num-batched-tokens 4096
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+from bench import serve_bench as sb  # noqa: E402
+from bench.bench_continuous_vs_static import resolve_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+KV_GAUGES = ("kv_cache_bytes_in_use", "kv_cache_bytes_saved_by_sharing", "num_requests_running")
+
+
+@dataclass
+class Target:
+    """A running system: how to reach it, and (ours only) how to read its KV telemetry."""
+    name: str
+    make_backend: callable
+    sampler: callable = None
+    note: str = ""
+
+
+# -- the systems ---------------------------------------------------------------------------
+def our_app_config(model: str, engine: dict) -> dict:
+    """The shipped `configs/config.yaml` application, on `model`, with `engine` on top."""
+    app = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]
+    args = dict(app["args"])
+    args.update(model=model, served_model_name="default", engine={**args.get("engine", {}), **engine})
+    return {**app, "args": args}
+
+
+def _metrics_sampler(base: str):
+    from tests.serving import metric
+
+    def sample() -> dict:
+        text = httpx.get(base + "/metrics", timeout=10).text
+        return {k: metric(text, k) or 0.0 for k in KV_GAUGES}
+    return sample
+
+
+@contextmanager
+def ours(model: str, engine: dict, name: str, extra: dict):
+    from tests.serving import ServeRun
+
+    run = ServeRun([our_app_config(model, engine)], timeout=900)
+    try:
+        yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
+                     f"serve run, start-up {run.startup_s:.0f} s")
+    finally:
+        run.stop()
+        _wait_gone("ServeReplica:", 120)   # its device memory must be free before the next system
+
+
+def _wait_gone(pattern: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout:
+        time.sleep(0.5)
+
+
+@contextmanager
+def bare_engine(model: str, engine: dict, extra: dict):
+    from runtime import AsyncEngine, EngineConfig
+
+    eng = AsyncEngine(EngineConfig(model=model, **engine))
+
+    def sample() -> dict:
+        s = eng.stats()
+        return {"kv_cache_bytes_in_use": s["kv_cache_bytes_in_use"], "num_requests_running": s["running"],
+                "kv_cache_bytes_saved_by_sharing": s["kv_cache_bytes_saved_by_sharing"]}
+    try:
+        yield Target("ours-bare-engine", lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine in-process")
+    finally:
+        eng.shutdown()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready: {log.read_text()[-3000:]}")
+
+
+@contextmanager
+def subprocess_server(name: str, cmd: list[str], port: int, model_name: str, extra: dict):
+    log = Path(tempfile.mkdtemp(prefix="mps-compare-")) / f"{name}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", proc, log, 900)
+        yield Target(name, lambda: sb.HTTPBackend(f"http://127.0.0.1:{port}", model_name, extra),
+                     note=" ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd[:3])))
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+def mlx_lm_server(model: str, max_concurrency: int, extra: dict):
+    from tests.serving import free_port
+
+    port = free_port()
+    # mlx_lm.server loads whatever `model` a request names; naming its own path keeps it on it.
+    return subprocess_server("mlx_lm.server", [
+        sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--decode-concurrency", str(max_concurrency), "--max-tokens", "4096"], port, model, extra)
+
+
+def vllm_mlx_server(exe: str, model: str, max_concurrency: int, extra: dict):
+    from tests.serving import free_port
+
+    port = free_port()
+    return subprocess_server("vllm-mlx", [
+        exe, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "default",
+        "--continuous-batching", "--max-num-seqs", str(max_concurrency)], port, "default", extra)
+
+
+def find_vllm_mlx(arg: str | None) -> tuple[str | None, str]:
+    """The vllm-mlx executable, or None and why not."""
+    exe = arg or shutil.which("vllm-mlx")
+    if exe and Path(exe).exists():
+        return exe, ""
+    return None, ("vllm-mlx is not installed here. It pins mlx-lm<0.32 and pulls in torch, torchvision "
+                  "and gradio, so it cannot share this environment; install it in its own venv "
+                  "(`python -m venv v && v/bin/pip install vllm-mlx 'mlx[cpu]'`) and pass --vllm-mlx v/bin/vllm-mlx.")
+
+
+# -- measuring -----------------------------------------------------------------------------
+def measure(target: Target, requests, rate=math.inf, concurrency=None, seed=0) -> dict:
+    async def go():
+        backend = target.make_backend()
+        try:
+            return await sb.run(backend, requests, rate, concurrency, seed, progress=False,
+                                sampler=target.sampler)
+        finally:
+            await backend.aclose()
+    return asyncio.run(go())
+
+
+def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
+    row = {"system": target.name, "workload": workload, "request_rate": s["request_rate"],
+           "concurrency": s["max_concurrency"],
+           "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p95_s": s["ttft_s"]["p95"], "ttft_p99_s": s["ttft_s"]["p99"],
+           "ttft_mean_s": s["ttft_s"]["mean"],
+           "tpot_p50_s": s["tpot_s"]["p50"], "tpot_p95_s": s["tpot_s"]["p95"],
+           "itl_p50_s": s["itl_s"]["p50"], "itl_p95_s": s["itl_s"]["p95"], "itl_p99_s": s["itl_s"]["p99"],
+           "e2el_p50_s": s["e2el_s"]["p50"], "e2el_p95_s": s["e2el_s"]["p95"],
+           "output_tok_s": s["output_throughput"], "request_throughput": s["request_throughput"],
+           "completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
+           "num_requests": s["num_requests"], "prompt_tokens": s["total_input_tokens"],
+           "cached_prompt_tokens": s["cached_prompt_tokens"], "duration_s": s["duration_s"],
+           "ttfts_s": [round(t, 5) for t in s["ttfts"]], **extra}
+    samples = [x for x in s.get("samples") or [] if x]
+    busy = [x for x in samples if x["num_requests_running"] > 0]
+    if samples:
+        row["kv_bytes_peak_sampled"] = max(x["kv_cache_bytes_in_use"] for x in samples)
+        row["kv_bytes_steady"] = float(np.median([x["kv_cache_bytes_in_use"] for x in busy])) if busy else 0.0
+        row["kv_bytes_saved_by_sharing_peak"] = max(x["kv_cache_bytes_saved_by_sharing"] for x in samples)
+    fail = f"  FAILED {s['failed']}: {s['errors'][:1]}" if s["failed"] else ""
+    print(f"{target.name:>18} {workload:>16} c={str(row['concurrency']):>4} rate={str(row['request_rate'])[:6]:>6}"
+          f" {row['output_tok_s']:9.1f} tok/s  TTFT p50 {_ms(row['ttft_p50_s'])} p95 {_ms(row['ttft_p95_s'])}"
+          f"  TPOT p50 {_ms(row['tpot_p50_s'])}{fail}", flush=True)
+    return row
+
+
+def _ms(x) -> str:
+    return f"{x * 1e3:8.1f}ms" if x is not None else "     n/a  "
+
+
+def warm_up(target: Target, wl: "Workloads") -> None:
+    """A short pass over every sweep point, so one-off kernel compilation for each batch
+    shape is not timed (MLX's CUDA backend compiles on first use)."""
+    for c in wl.a.concurrency:
+        measure(target, sb.random_workload(wl.src(7 + c), c, wl.a.input_len, 4, wl.a.range_ratio), concurrency=c)
+
+
+class Workloads:
+    """The same requests for every system: each is rebuilt from its own seed, and no
+    two workloads (or sweep points) share text, so no cache carries over between them."""
+
+    def __init__(self, tokenizer, args):
+        self.tok, self.a = tokenizer, args
+
+    def src(self, seed):
+        return sb.TextSource(self.tok, seed)
+
+    def random(self, c):
+        n = max(self.a.min_prompts, self.a.prompts_per_stream * c)
+        return sb.random_workload(self.src(1000 + c), n, self.a.input_len, self.a.output_len, self.a.range_ratio)
+
+    def poisson(self):
+        return sb.random_workload(self.src(2000), self.a.poisson_prompts, self.a.input_len, self.a.output_len,
+                                  self.a.range_ratio)
+
+    def prefix(self):
+        a = self.a
+        return sb.prefix_workload(self.src(3000), a.prefix_prompts, a.prefix_len, a.num_prefixes,
+                                  a.suffix_len, a.prefix_output_len)
+
+    def multi_turn(self):
+        a = self.a
+        return sb.multi_turn_workload(self.src(4000), a.num_sessions, a.turns, a.turn_len, a.turn_output_len)
+
+
+def _plan_of(workload: str) -> str:
+    return {"random-poisson": "poisson"}.get(workload, "random" if workload.startswith("random") else workload)
+
+
+def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None) -> list[dict]:
+    plan = plan & set(args.workloads)
+    rows = []
+    warm_up(target, wl)
+    if "random" in plan:
+        for c in args.concurrency:
+            rows.append(to_row(target, "random", measure(target, wl.random(c), concurrency=c)))
+    if "poisson" in plan and rate:
+        rows.append(to_row(target, "random-poisson", measure(target, wl.poisson(), rate=rate, seed=1)))
+    if "prefix" in plan:
+        rows.append(to_row(target, "prefix", measure(target, wl.prefix(), concurrency=args.prefix_concurrency),
+                           prefix_len=args.prefix_len, num_prefixes=args.num_prefixes))
+    if "multi-turn" in plan:
+        rows.append(to_row(target, "multi-turn", measure(target, wl.multi_turn(), concurrency=args.num_sessions),
+                           sessions=args.num_sessions, turns=args.turns))
+    return rows
+
+
+def poisson_rate(rows: list[dict], output_len: int) -> tuple[float, float]:
+    """The request rate at which mlx_lm.server would deliver 80 % of the peak output
+    throughput it reached in the sweep, and that peak."""
+    sweep = [r for r in rows if r["system"] == "mlx_lm.server" and r["workload"] == "random"]
+    peak = max(r["output_tok_s"] for r in [r for r in sweep if not r["failed"]] or sweep)
+    return 0.8 * peak / output_len, peak
+
+
+# -- KV memory, in-process -------------------------------------------------------------------
+def kv_memory_rows(model_path: str, engine_cfg: dict, args) -> list[dict]:
+    """Closed loop at each concurrency on the same mixed-length requests: KV bytes our
+    pool holds for requests vs what mlx-lm's BatchGenerator allocates (its caches pad
+    every sequence of a batch to the longest and grow in 256-token steps)."""
+    from bench.bench_continuous_vs_static import run_mlx_lm, run_ours, workload
+    from runtime import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model_path, **engine_cfg))
+    rows = []
+    for c in args.concurrency:
+        spec = argparse.Namespace(fixed=False, prompt_len=args.input_len, gen_len=args.output_len)
+        reqs = workload(max(c, args.prompts_per_stream * c), spec, engine.vocab_size, seed=5000 + c)
+        ours_kv, dense_kv = [], []
+        engine.kv.cache.reset()
+        r_ours = run_ours(engine, reqs, c, "ours",
+                          on_step=lambda: ours_kv.append(engine.stats()["kv_cache_bytes_in_use"]))
+        r_dense = run_mlx_lm(engine.model, reqs, c, on_step=lambda g: dense_kv.append(g.prompt_cache_nbytes))
+        for name, r, kv in (("ours-bare-engine", r_ours, ours_kv), ("mlx_lm.server", r_dense, dense_kv)):
+            rows.append({"system": name, "workload": "kv-memory", "request_rate": None, "concurrency": c,
+                         "ttft_p50_s": r["ttft_p50_s"], "ttft_p95_s": r["ttft_p95_s"], "tpot_p50_s": None,
+                         "output_tok_s": r["output_tok_s"], "kv_bytes_peak": float(max(kv)),
+                         "kv_bytes_steady": float(np.median(kv)),
+                         "kv_layout": "paged blocks" if name.startswith("ours") else "dense (mlx-lm BatchKVCache)",
+                         "measured_in": "LLMEngine, in-process" if name.startswith("ours")
+                         else "mlx_lm BatchGenerator (mlx_lm.server's batcher), in-process"})
+        print(f"kv-memory c={c:<4} paged peak {max(ours_kv) / 2**20:8.1f} MiB   dense peak "
+              f"{max(dense_kv) / 2**20:8.1f} MiB", flush=True)
+    return rows
+
+
+# -- report --------------------------------------------------------------------------------
+def pick(rows, system, workload, concurrency=None):
+    for r in rows:
+        if r["system"] == system and r["workload"] == workload and (concurrency is None or r["concurrency"] == concurrency):
+            return r
+    return None
+
+
+def headline(rows: list[dict], args) -> dict:
+    """The issue's four comparisons, as ratios."""
+    h = {}
+    sweep = lambda s: [r for r in rows if r["system"] == s and r["workload"] == "random"]  # noqa: E731
+    ml, us, bare = sweep("mlx_lm.server"), sweep("ours"), sweep("ours-bare-engine")
+    if ml and us:
+        ml = [r for r in ml if not r["failed"]] or ml      # a point that dropped requests is no peak
+        peak_ml = max(r["output_tok_s"] for r in ml)
+        c80 = min(r["concurrency"] for r in ml if r["output_tok_s"] >= 0.8 * peak_ml)
+        h["mlx_lm_peak_output_tok_s"] = peak_ml
+        h["ours_peak_output_tok_s"] = max(r["output_tok_s"] for r in us)
+        h["saturation_throughput_ratio"] = h["ours_peak_output_tok_s"] / peak_ml
+        h["load_80pct_concurrency"] = c80
+        h["ttft_p50_ratio_at_80pct_concurrency"] = (pick(rows, "ours", "random", c80)["ttft_p50_s"]
+                                                    / pick(rows, "mlx_lm.server", "random", c80)["ttft_p50_s"])
+    po, pm = pick(rows, "ours", "random-poisson"), pick(rows, "mlx_lm.server", "random-poisson")
+    if po and pm and po["ttft_p50_s"] and pm["ttft_p50_s"]:
+        h["poisson_rate_req_s"] = pm["request_rate"]
+        h["ttft_p50_ratio_at_80pct_rate"] = po["ttft_p50_s"] / pm["ttft_p50_s"]
+    if us and bare:
+        top = max(r["concurrency"] for r in us)
+        h["serve_overhead_throughput"] = 1 - pick(rows, "ours", "random", top)["output_tok_s"] / \
+            pick(rows, "ours-bare-engine", "random", top)["output_tok_s"]
+        low = min(r["concurrency"] for r in us)
+        h["serve_overhead_ttft_s_at_low_load"] = pick(rows, "ours", "random", low)["ttft_p50_s"] - \
+            pick(rows, "ours-bare-engine", "random", low)["ttft_p50_s"]
+        h["serve_overhead_ttft_s_at_top_load"] = pick(rows, "ours", "random", top)["ttft_p50_s"] - \
+            pick(rows, "ours-bare-engine", "random", top)["ttft_p50_s"]
+    on, off = pick(rows, "ours", "prefix"), pick(rows, "ours-no-apc", "prefix")
+    if on and off and on["ttft_p50_s"] and off["ttft_p50_s"]:
+        h["apc_ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
+        h["apc_ttft_mean_speedup"] = off["ttft_mean_s"] / on["ttft_mean_s"]
+    mem = [(pick(rows, "ours-bare-engine", "kv-memory", c), pick(rows, "mlx_lm.server", "kv-memory", c))
+           for c in sorted({r["concurrency"] for r in rows if r["workload"] == "kv-memory"})]
+    mem = [(a, b) for a, b in mem if a and b]
+    if mem:
+        h["kv_peak_ratio_dense_over_paged"] = {a["concurrency"]: b["kv_bytes_peak"] / max(a["kv_bytes_peak"], 1)
+                                               for a, b in mem}
+    return h
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+    systems = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("ours"), s))
+    for s in systems:
+        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["system"] == s and r["workload"] == "random")
+        if pts:
+            ax[0, 0].plot(*zip(*pts), marker="o", label=s)
+        g = sorted((r["concurrency"], r["output_tok_s"]) for r in rows
+                   if r["system"] == s and r["workload"].startswith("random (attention"))
+        if g:
+            ax[0, 0].plot(*zip(*g), marker="x", linestyle="--", label=s + " (gather attention)")
+    ax[0, 0].set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title="Throughput vs concurrency")
+    ax[0, 0].legend(fontsize=8)
+    for s in systems:
+        r = pick(rows, s, "random-poisson")
+        if r and r["ttfts_s"]:
+            t = np.sort(r["ttfts_s"])
+            ax[0, 1].plot(t, np.arange(1, len(t) + 1) / len(t), label=s)
+    ax[0, 1].set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests",
+                 title="TTFT CDF, Poisson at 80 % of mlx_lm.server's peak")
+    ax[0, 1].legend(fontsize=8)
+    for s, lab in (("ours-bare-engine", "paged (ours)"), ("mlx_lm.server", "dense (mlx-lm BatchGenerator)")):
+        pts = sorted((r["concurrency"], r["kv_bytes_peak"] / 2**20) for r in rows
+                     if r["system"] == s and r["workload"] == "kv-memory")
+        if pts:
+            ax[1, 0].plot(*zip(*pts), marker="o", label=lab)
+    ax[1, 0].set(xscale="log", xlabel="concurrency", ylabel="peak KV MiB", title="KV memory vs concurrency")
+    ax[1, 0].legend(fontsize=8)
+    bars = [(f"{r['system']}\n{r['workload']}", r["ttft_p50_s"]) for r in rows
+            if r["workload"] in ("prefix", "multi-turn") and r["ttft_p50_s"] is not None]
+    if bars:
+        ax[1, 1].barh([b[0] for b in bars], [b[1] for b in bars])
+        ax[1, 1].set(xscale="log", xlabel="TTFT p50 (s)", title="Prefix reuse: TTFT p50")
+        ax[1, 1].tick_params(axis="y", labelsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="'default', 'llama-1b' (random, bf16) or a path")
+    ap.add_argument("--tag", default="cpu", help="results go to compare_<tag>.json/png")
+    ap.add_argument("--systems", nargs="+", default=["mlx_lm.server", "ours", "ours-bare-engine",
+                                                     "ours-no-apc", "vllm-mlx", "ours-gather"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--prompts-per-stream", type=int, default=2)
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--poisson-prompts", type=int, default=96)
+    ap.add_argument("--poisson-rate", type=float, default=None, help="default: 80 %% of mlx_lm.server's peak")
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--num-prefixes", type=int, default=4)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--prefix-output-len", type=int, default=16)
+    ap.add_argument("--prefix-prompts", type=int, default=48)
+    ap.add_argument("--prefix-concurrency", type=int, default=4)
+    ap.add_argument("--num-sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-len", type=int, default=64)
+    ap.add_argument("--turn-output-len", type=int, default=32)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-mlx", default=None, help="path of a vllm-mlx executable (its own venv)")
+    ap.add_argument("--no-kv-memory", action="store_true")
+    ap.add_argument("--merge", action="store_true", help="add to the existing JSON instead of replacing it")
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--workloads", nargs="+", default=["random", "poisson", "prefix", "multi-turn"],
+                    help="which workloads to run (with --merge, only their rows are replaced)")
+    ap.add_argument("--replot", action="store_true", help="only redo the headline and plot from the JSON")
+    args = ap.parse_args(argv)
+    if args.replot:
+        rows = json.loads((Path(args.results_dir) / f"compare_{args.tag}.json").read_text())
+        print(json.dumps(headline(rows, args), indent=2))
+        plot(rows, Path(args.results_dir) / f"compare_{args.tag}.png", f"{rows[0]['meta']['model']} on "
+             f"{rows[0]['meta']['device']}")
+        return
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_tokenizer
+
+    model = resolve_model(args.model)
+    tok = load_tokenizer(Path(model))
+    extra = sb.eos_logit_bias(tok)
+    wl = Workloads(tok, args)
+    top = max(args.concurrency)
+    engine = {"max_num_seqs": top, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30)}
+    cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    out = results / f"compare_{args.tag}.json"
+    rows = json.loads(out.read_text()) if args.merge and out.exists() else []
+    only = set(args.workloads)
+    rows = [r for r in rows if not (r.get("source") in args.systems and _plan_of(r["workload"]) in only)]
+    skipped = {}
+    vllm_exe, why = find_vllm_mlx(args.vllm_mlx)
+
+    rate = args.poisson_rate
+    if rate is None and pick(rows, "mlx_lm.server", "random"):
+        rate = poisson_rate(rows, args.output_len)[0]
+    for name in args.systems:
+        t0 = time.perf_counter()
+        n_before = len(rows)
+        if name == "mlx_lm.server":
+            with mlx_lm_server(model, top, extra) as t:
+                rows += run_system(t, wl, args, {"random", "prefix", "multi-turn"}, None)
+                rate = rate or poisson_rate(rows, args.output_len)[0]
+                rows += run_system(t, wl, args, {"poisson"}, rate)
+        elif name == "ours":
+            with ours(model, engine, "ours", extra) as t:
+                rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
+        elif name == "ours-bare-engine":
+            with bare_engine(model, engine, extra) as t:
+                rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
+        elif name == "ours-no-apc":
+            with ours(model, {**engine, "enable_prefix_caching": False}, "ours-no-apc", extra) as t:
+                rows += run_system(t, wl, args, {"prefix", "multi-turn"}, rate)
+        elif name == "vllm-mlx":
+            if vllm_exe is None:
+                skipped[name] = why
+                continue
+            with vllm_mlx_server(vllm_exe, model, top, extra) as t:
+                rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
+        elif name == "ours-gather":
+            if not cuda:
+                skipped[name] = "no attention kernel on this device: 'auto' already runs gather here"
+                continue
+            with ours(model, {**engine, "attention_backend": "gather"}, "ours", extra) as t:
+                warm_up(t, wl)
+                for c in args.concurrency:
+                    rows.append(to_row(t, "random (attention=gather)", measure(t, wl.random(c), concurrency=c),
+                                       attention_backend="gather"))
+        for r in rows[n_before:]:
+            r["source"] = name
+        out.write_text(json.dumps(rows, indent=1))       # a run cut short keeps what it measured
+        print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.no_kv_memory:
+        rows = [r for r in rows if r["workload"] != "kv-memory"]
+        rows += [{**r, "source": "kv-memory"} for r in kv_memory_rows(model, engine, args)]
+
+    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
+            "mlx": mx.__version__, "args": {k: v for k, v in vars(args).items()}, "skipped": skipped,
+            "poisson_rate_req_s": rate}
+    for r in rows:
+        r.setdefault("meta", meta)
+    h = headline(rows, args)
+    print("\nheadline:", json.dumps(h, indent=2))
+    for k, v in skipped.items():
+        print(f"skipped {k}: {v}")
+    out.write_text(json.dumps(rows, indent=1))
+    (results / f"compare_{args.tag}_headline.json").write_text(json.dumps({"headline": h, "meta": meta}, indent=2))
+    try:
+        plot(rows, results / f"compare_{args.tag}.png", f"{args.model} on {meta['device']} ({platform.machine()})")
+    except ImportError:
+        print("matplotlib is not installed: no plot (python bench/compare.py --replot TAG makes it later)")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

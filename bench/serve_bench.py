@@ -1,0 +1,455 @@
+"""Load generator for OpenAI-compatible servers (ours, `mlx_lm.server`, vllm-mlx, ...),
+and for our bare engine in-process, with the same workloads and the same clock.
+
+Arrivals are Poisson at `--request-rate` (requests/s; `inf` sends all at once, a
+burst), capped by `--max-concurrency` requests in flight. Every request streams, and
+its chunks are timed as they arrive. Definitions follow `vllm bench serve`:
+
+- TTFT: request sent -> first chunk carrying output text.
+- TPOT: (E2E - TTFT) / (output tokens - 1), per request with more than one token.
+- ITL: the gaps between successive chunks carrying output, pooled over requests.
+- E2E: request sent -> last byte.
+- Goodput: completed requests per second that met every SLO given by `--goodput`.
+
+Output token counts come from the server's `usage` (stream_options.include_usage).
+
+Workloads:
+- `random`: prompts of `--input-len` tokens (+- `--range-ratio`), `--output-len` new.
+- `prefix`: `--num-prefixes` shared prefixes of `--prefix-len` tokens, each request one
+  of them plus its own `--suffix-len` tokens.
+- `multi-turn`: `--num-sessions` chat sessions of `--turns` turns; each turn sends the
+  whole history (earlier questions and the server's answers) plus `--input-len` new
+  tokens, so a prefix cache can reuse the history.
+
+    python bench/serve_bench.py --base-url http://127.0.0.1:8000 --workload prefix \\
+        --prefix-len 1024 --num-prefixes 4 --suffix-len 32 --output-len 32 \\
+        --num-prompts 64 --max-concurrency 8
+    python bench/serve_bench.py --backend engine --model default --workload random
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CORPUS = Path(__file__).resolve().parents[1] / "runtime" / "models" / "corpus.txt"
+
+
+# -- workloads ----------------------------------------------------------------------------
+@dataclass
+class Request:
+    """One request to send. `messages` for chat, else `prompt`. Multi-turn requests
+    carry their session and turn; the session's history is filled in when sent."""
+    prompt: str | None
+    messages: list[dict] | None
+    output_len: int
+    session: int | None = None
+    turn: int = 0
+
+
+class TextSource:
+    """Prompts of a given token length: windows of the bundled corpus, cut to length
+    in tokens by the model's tokenizer. Real words keep every server's tokenizer and
+    chat template on their ordinary path."""
+
+    def __init__(self, tokenizer, seed: int = 0):
+        self.tok = tokenizer
+        self.ids = tokenizer.encode(CORPUS.read_text())
+        self.rng = random.Random(seed)
+
+    def text(self, n_tokens: int) -> str:
+        n_tokens = max(1, n_tokens)
+        start = self.rng.randrange(0, max(1, len(self.ids) - n_tokens))
+        ids = (self.ids * (1 + n_tokens // len(self.ids)))[start:start + n_tokens]
+        return self.tok.decode(ids)
+
+
+def random_workload(src: TextSource, n: int, input_len: int, output_len: int,
+                    range_ratio: float) -> list[Request]:
+    rng = src.rng
+    lo, hi = 1 - range_ratio, 1 + range_ratio
+    return [Request(src.text(round(input_len * rng.uniform(lo, hi))), None,
+                    max(1, round(output_len * rng.uniform(lo, hi)))) for _ in range(n)]
+
+
+def prefix_workload(src: TextSource, n: int, prefix_len: int, num_prefixes: int,
+                    suffix_len: int, output_len: int) -> list[Request]:
+    prefixes = [src.text(prefix_len) for _ in range(num_prefixes)]
+    reqs = [Request(prefixes[i % num_prefixes] + " " + src.text(suffix_len), None, output_len)
+            for i in range(n)]
+    src.rng.shuffle(reqs)
+    return reqs
+
+
+def multi_turn_workload(src: TextSource, num_sessions: int, turns: int, input_len: int,
+                        output_len: int) -> list[Request]:
+    """Turn 0 of every session, then turn 1, ...; a turn waits for its session's
+    previous answer (see `run`)."""
+    return [Request(None, [{"role": "user", "content": src.text(input_len)}], output_len, s, t)
+            for t in range(turns) for s in range(num_sessions)]
+
+
+# -- results -------------------------------------------------------------------------------
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    text: str = ""
+
+
+def _stats(xs, scale: float = 1.0) -> dict:
+    if not len(xs):
+        return {"mean": None, "p50": None, "p95": None, "p99": None, "std": None}
+    a = np.asarray(xs, dtype=float) * scale
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
+            "p99": float(np.percentile(a, 99)), "std": float(a.std())}
+
+
+def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if r.ttft <= slo.get("ttft", math.inf) and r.e2e <= slo.get("e2el", math.inf)
+            and (r.output_tokens <= 1 or (r.e2e - r.ttft) / (r.output_tokens - 1) <= slo.get("tpot", math.inf))]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": prompt, "total_output_tokens": out_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (prompt + out_tokens) / duration,
+        "goodput": len(good) / duration if slo else None,
+        "ttft_s": _stats([r.ttft for r in ok]),
+        "tpot_s": _stats(tpots),
+        "itl_s": _stats([x for r in ok for x in r.itl]),
+        "e2el_s": _stats([r.e2e for r in ok]),
+        "ttfts": [r.ttft for r in ok],
+    }
+
+
+# -- backends ------------------------------------------------------------------------------
+def _carries_output(choice: dict) -> bool:
+    """Whether a streamed choice carries generated tokens. Text can be empty for a token
+    the tokenizer cannot spell (a random model samples the whole vocabulary), so a chunk
+    counts when it has a text field at all; only a chat stream's role-only opening
+    chunk does not."""
+    if "text" in choice:
+        return choice["text"] is not None
+    delta = choice.get("delta") or {}
+    content = delta.get("content")
+    return bool(content) or (content is not None and "role" not in delta)
+
+
+class HTTPBackend:
+    """Streams from `/v1/completions` or `/v1/chat/completions`. `extra_body` rides along
+    on every request (e.g. a logit bias that bans EOS, so every server produces exactly
+    `output_len` tokens)."""
+
+    def __init__(self, base_url: str, model: str, extra_body: dict | None = None,
+                 api_key: str | None = None):
+        import httpx
+
+        self.base = base_url.rstrip("/")
+        self.model = model
+        self.extra = extra_body or {}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
+                                        limits=httpx.Limits(max_connections=2048))
+
+    async def send(self, req: Request, messages: list[dict] | None) -> Result:
+        body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, **self.extra}
+        if messages is not None:
+            path, body["messages"] = "/v1/chat/completions", messages
+        else:
+            path, body["prompt"] = "/v1/completions", req.prompt
+        res, last, pieces = Result(), None, []
+        t0 = time.perf_counter()
+        try:
+            async with self.client.stream("POST", self.base + path, json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("usage"):
+                        u = chunk["usage"]
+                        res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+                        res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    for c in chunk.get("choices") or []:
+                        if _carries_output(c):
+                            piece = c.get("text") if "text" in c else c["delta"].get("content")
+                            now = time.perf_counter()
+                            if last is None:
+                                res.ttft = now - t0
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                            pieces.append(piece or "")
+        except Exception as e:                      # a benchmark reports failures, it does not stop
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        res.e2e = time.perf_counter() - t0
+        res.text = "".join(pieces)
+        res.ok = last is not None
+        if not res.ok:
+            res.error = "no output"
+        return res
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class EngineBackend:
+    """Our `AsyncEngine` in this process, fed what the HTTP ingress would feed it: the
+    same tokenizer and chat template, the same sampling parameters (`extra_body`'s
+    logit bias). The difference
+    between this and the `serve run` app is the cost of Ray Serve and HTTP."""
+
+    def __init__(self, engine, extra_body: dict | None = None):
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.logit_bias = {int(k): v for k, v in (extra_body or {}).get("logit_bias", {}).items()}
+        self._ids = 0
+
+    async def send(self, req: Request, messages: list[dict] | None) -> Result:
+        from runtime import SamplingParams
+
+        if messages is not None:
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+        else:
+            ids = self.tok.encode(req.prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, logit_bias=self.logit_bias)
+        self._ids += 1
+        res, last, n_seen = Result(prompt_tokens=len(ids)), None, 0
+        t0 = time.perf_counter()
+        try:
+            async for out in self.engine.generate(None, params, f"bench-{self._ids}", prompt_token_ids=ids):
+                o = out.outputs[0]
+                if len(o.token_ids) > n_seen:
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last, n_seen = now, len(o.token_ids)
+                if out.finished:
+                    res.output_tokens, res.text = len(o.token_ids), o.text
+                    res.cached_tokens = out.num_cached_tokens
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        res.e2e = time.perf_counter() - t0
+        res.ok = last is not None
+        return res
+
+    async def aclose(self) -> None:
+        pass
+
+
+def eos_logit_bias(tokenizer) -> dict:
+    """OpenAI `logit_bias` that bans the end-of-sequence tokens: works on every server
+    that honours logit_bias, so all of them produce exactly `max_tokens`."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {"logit_bias": {str(i): -100 for i in sorted(ids)}}
+
+
+# -- the run -------------------------------------------------------------------------------
+async def run(backend, requests: list[Request], request_rate: float = math.inf,
+              max_concurrency: int | None = None, seed: int = 0, progress: bool = True,
+              slo: dict[str, float] | None = None, sampler=None) -> dict:
+    """Send `requests` with Poisson arrivals (or all at once) under a concurrency cap.
+    Multi-turn requests wait for their session's previous turn and carry its history.
+    `sampler`, if given, is called about twice a second during the run; what it returns
+    is kept in `samples` (memory telemetry)."""
+    from tqdm.asyncio import tqdm
+
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+    history: dict[int, list[dict]] = {}
+    turn_done: dict[tuple[int, int], asyncio.Event] = {}
+    for r in requests:
+        if r.session is not None:
+            turn_done[(r.session, r.turn)] = asyncio.Event()
+    bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, leave=False)
+    results: list[Result] = [Result() for _ in requests]
+    samples: list = []
+
+    async def one(i: int, req: Request) -> None:
+        messages = None
+        if req.session is not None:
+            if req.turn:
+                await turn_done[(req.session, req.turn - 1)].wait()
+            messages = history.setdefault(req.session, []) + req.messages
+        async with sem:
+            res = await backend.send(req, messages)
+        if req.session is not None:
+            history[req.session] = messages + [{"role": "assistant", "content": res.text}]
+            turn_done[(req.session, req.turn)].set()
+        results[i] = res
+        bar.update(1)
+
+    async def sample_loop() -> None:
+        while True:
+            samples.append(await asyncio.to_thread(sampler))
+            await asyncio.sleep(0.5)
+
+    sampling = asyncio.create_task(sample_loop()) if sampler else None
+    t0 = time.perf_counter()
+    tasks = []
+    for i, req in enumerate(requests):
+        tasks.append(asyncio.create_task(one(i, req)))
+        if request_rate != math.inf and i + 1 < len(requests):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    if sampling:
+        sampling.cancel()
+        samples.append(await asyncio.to_thread(sampler))
+    bar.close()
+    out = summarize(results, duration, slo or {})
+    out.update(request_rate=None if request_rate == math.inf else request_rate,
+               max_concurrency=max_concurrency, num_requests=len(requests))
+    if sampler:
+        out["samples"] = samples
+    return out
+
+
+def build_workload(args, tokenizer) -> list[Request]:
+    src = TextSource(tokenizer, args.seed)
+    if args.workload == "random":
+        return random_workload(src, args.num_prompts, args.input_len, args.output_len, args.range_ratio)
+    if args.workload == "prefix":
+        return prefix_workload(src, args.num_prompts, args.prefix_len, args.num_prefixes,
+                               args.suffix_len, args.output_len)
+    return multi_turn_workload(src, args.num_sessions, args.turns, args.input_len, args.output_len)
+
+
+def print_summary(name: str, s: dict) -> None:
+    ms = lambda d, k: f"{d[k] * 1e3:9.1f}" if d[k] is not None else "      n/a"  # noqa: E731
+    print(f"\n==== {name} ====")
+    print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
+    print(f"request throughput {s['request_throughput']:.2f} req/s   output {s['output_throughput']:.1f} tok/s"
+          f"   total {s['total_token_throughput']:.1f} tok/s")
+    if s["goodput"] is not None:
+        print(f"goodput {s['goodput']:.2f} req/s")
+    print(f"prompt tokens {s['total_input_tokens']} (cached {s['cached_prompt_tokens']})")
+    print(f"{'':>8} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9}")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+        d = s[key]
+        print(f"{key[:-2].upper():>8} {ms(d, 'mean')} {ms(d, 'p50')} {ms(d, 'p95')} {ms(d, 'p99')}")
+    for e in s["errors"]:
+        print("error:", e)
+
+
+def parse_slo(items: list[str]) -> dict[str, float]:
+    """`ttft:500 tpot:50 e2el:2000` (milliseconds) -> seconds."""
+    out = {}
+    for item in items or []:
+        k, v = item.split(":")
+        if k not in ("ttft", "tpot", "e2el"):
+            raise SystemExit(f"unknown SLO {k!r}: use ttft, tpot or e2el")
+        out[k] = float(v) / 1e3
+    return out
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workload", choices=["random", "prefix", "multi-turn"], default="random")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.0)
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--num-prefixes", type=int, default=4)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--num-sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=["http", "engine"], default="http")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default="default",
+                    help="served model name (http) or model path/'default' (engine and tokenizer)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer path for building prompts (default: --model)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--request-rate", type=float, default=math.inf)
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--goodput", nargs="*", default=[], metavar="SLO:MS")
+    ap.add_argument("--keep-eos", action="store_true", help="let requests stop at EOS")
+    ap.add_argument("--engine-arg", nargs="*", default=[], metavar="KEY=JSON",
+                    help="EngineConfig fields for --backend engine, e.g. max_num_seqs=64")
+    ap.add_argument("--disable-tqdm", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON file (default: print only)")
+    add_workload_args(ap)
+    args = ap.parse_args(argv)
+
+    from mlx_lm.utils import load_tokenizer
+
+    from runtime.models import default_model_path
+
+    model_path = str(default_model_path()) if args.model == "default" else args.model
+    tok_path = args.tokenizer or model_path
+    tokenizer = load_tokenizer(Path(tok_path)) if Path(tok_path).exists() else None
+    if tokenizer is None:
+        raise SystemExit(f"--tokenizer {tok_path!r} is not a local model directory")
+    requests = build_workload(args, tokenizer)
+    slo = parse_slo(args.goodput)
+
+    async def go():
+        extra = {} if args.keep_eos else eos_logit_bias(tokenizer)
+        if args.backend == "engine":
+            from runtime import AsyncEngine, EngineConfig
+            kw = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+            engine = AsyncEngine(EngineConfig(model=model_path, **kw))
+            backend = EngineBackend(engine, extra)
+        else:
+            engine = None
+            backend = HTTPBackend(args.base_url, args.model, extra, args.api_key)
+        try:
+            return await run(backend, requests, args.request_rate, args.max_concurrency, args.seed,
+                             not args.disable_tqdm, slo)
+        finally:
+            await backend.aclose()
+            if engine is not None:
+                engine.shutdown()
+
+    summary = asyncio.run(go())
+    print_summary(f"{args.backend} {args.workload}", summary)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), **summary}, indent=2))
+        print(f"wrote {args.out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
