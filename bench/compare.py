@@ -406,6 +406,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _portable(args: dict) -> dict:
+    """The run's arguments without this machine's paths."""
+    out = {k: v for k, v in args.items() if k != "results_dir"}
+    if out.get("vllm_mlx"):
+        out["vllm_mlx"] = Path(out["vllm_mlx"]).name
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="'default', 'llama-1b' (random, bf16) or a path")
@@ -511,7 +519,7 @@ def main(argv=None):
         rows += [{**r, "source": "kv-memory"} for r in kv_memory_rows(model, engine, args)]
 
     meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": {k: v for k, v in vars(args).items()}, "skipped": skipped,
+            "mlx": mx.__version__, "args": _portable(vars(args)), "skipped": skipped,
             "poisson_rate_req_s": rate}
     for r in rows:
         r.setdefault("meta", meta)
