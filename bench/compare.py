@@ -275,11 +275,17 @@ def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float 
     return rows
 
 
+def mlx_lm_sweep(rows: list[dict]) -> list[dict]:
+    """mlx_lm.server's sweep points that completed every request (all of them if none
+    did): a point that dropped requests is no peak."""
+    sweep = [r for r in rows if r["system"] == "mlx_lm.server" and r["workload"] == "random"]
+    return [r for r in sweep if not r["failed"]] or sweep
+
+
 def poisson_rate(rows: list[dict], output_len: int) -> tuple[float, float]:
     """The request rate at which mlx_lm.server would deliver 80 % of the peak output
     throughput it reached in the sweep, and that peak."""
-    sweep = [r for r in rows if r["system"] == "mlx_lm.server" and r["workload"] == "random"]
-    peak = max(r["output_tok_s"] for r in [r for r in sweep if not r["failed"]] or sweep)
+    peak = max(r["output_tok_s"] for r in mlx_lm_sweep(rows))
     return 0.8 * peak / output_len, peak
 
 
@@ -326,9 +332,8 @@ def headline(rows: list[dict], args) -> dict:
     """The issue's four comparisons, as ratios."""
     h = {}
     sweep = lambda s: [r for r in rows if r["system"] == s and r["workload"] == "random"]  # noqa: E731
-    ml, us, bare = sweep("mlx_lm.server"), sweep("ours"), sweep("ours-bare-engine")
+    ml, us, bare = mlx_lm_sweep(rows), sweep("ours"), sweep("ours-bare-engine")
     if ml and us:
-        ml = [r for r in ml if not r["failed"]] or ml      # a point that dropped requests is no peak
         peak_ml = max(r["output_tok_s"] for r in ml)
         c80 = min(r["concurrency"] for r in ml if r["output_tok_s"] >= 0.8 * peak_ml)
         h["mlx_lm_peak_output_tok_s"] = peak_ml

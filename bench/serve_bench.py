@@ -236,11 +236,11 @@ class EngineBackend:
         self._ids = 0
 
     async def send(self, req: Request, messages: list[dict] | None) -> Result:
+        from deployments.protocol import chat_prompt_ids
         from runtime import SamplingParams
 
         if messages is not None:
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+            ids = chat_prompt_ids(self.tok, messages)
         else:
             ids = self.tok.encode(req.prompt)
         params = SamplingParams(temperature=0.0, max_tokens=req.output_len, logit_bias=self.logit_bias)

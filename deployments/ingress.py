@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from runtime.errors import InvalidRequestError, PromptTooLongError
 
 from .metrics import Metrics, RequestTimer
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, chat_prompt_ids, error_body
 
 log = logging.getLogger("ray.serve")
 
@@ -275,13 +275,9 @@ class OpenAIIngress:
             raise HTTPError(400, str(e), param="top_logprobs") from None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+            ids = chat_prompt_ids(self.tokenizer, messages, body.add_generation_prompt)
         except Exception as e:
             raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))

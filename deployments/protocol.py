@@ -151,3 +151,10 @@ class ChatCompletionRequest(_Sampling):
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The token ids the model's chat template makes of `messages`. Raises whatever the
+    template raises for messages it rejects."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)

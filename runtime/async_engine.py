@@ -88,7 +88,7 @@ class AsyncEngine:
         self._commands.put(("add", request_id, waiter, dict(
             prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
             priority=priority, cache_salt=cache_salt)))
-        loop = asyncio.get_running_loop()
+        loop = waiter.loop
         finished, last_yield = False, None
         try:
             while True:

@@ -250,7 +250,7 @@ class LLMEngine:
     def stats(self) -> dict:
         usage = self.kv.usage()
         pc = self.kv.cache.stats
-        held = usage.num_total_blocks - usage.num_free_blocks
+        held = usage.num_used_blocks
         per_block = self.runner.pool.bytes_per_block
         pool = self.kv.pool
         return {

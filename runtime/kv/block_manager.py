@@ -81,10 +81,9 @@ class KVCacheManager:
         seq.num_published_blocks = 0
 
     def usage(self) -> BlockUsage:
-        free = self.pool.num_free
         return BlockUsage(
             num_total_blocks=self.pool.num_blocks,
-            num_free_blocks=free,
+            num_free_blocks=self.pool.num_free,
             num_cached_blocks=len(self.cache),
-            num_used_blocks=self.pool.num_blocks - free,
+            num_used_blocks=self.pool.num_used,
         )
