@@ -4,6 +4,7 @@
 it on a background thread for servers.
 """
 
+import gc
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ class LLMEngine:
         self._inflight: PendingStep | None = None
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         mx.random.seed(config.seed)
+        # The model, tokenizer and pool bookkeeping live as long as the process; left in
+        # the collector's generations, every full collection walks them again (about
+        # 3 ms a step at 256 running sequences). Freezing them keeps collections small.
+        gc.freeze()
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), backend %s",
                  config.model, self.num_blocks, config.block_size,
                  self.runner.pool.nbytes / 2**20, self.runner.attention_backend)

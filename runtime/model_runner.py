@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import build_metadata, get_backend, install_hook, resolve_backend
+from .attention import PADDING_FREE, build_metadata, get_backend, install_hook, resolve_backend
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
 from .models.loader import kv_geometry
@@ -64,13 +64,15 @@ class ModelRunner:
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
 
     # -- forward ---------------------------------------------------------
-    def _logits(self, inputs: mx.array, rows: mx.array, split_head: bool) -> mx.array:
+    def _logits(self, inputs: mx.array, rows: mx.array | None, split_head: bool) -> mx.array:
+        """Logits of `rows` of the packed batch (all rows, in order, when None)."""
+        pick = (lambda x: x[:, 0]) if rows is None else (lambda x: x[rows, 0])
         if split_head:
-            h = self.model.model(inputs, cache=self.caches)[rows, 0]
+            h = pick(self.model.model(inputs, cache=self.caches))
             if self.model.args.tie_word_embeddings:
                 return self.model.model.embed_tokens.as_linear(h)
             return self.model.lm_head(h)
-        return self.model(inputs, cache=self.caches)[rows, 0]
+        return pick(self.model(inputs, cache=self.caches))
 
     def forward(self, scheduled: list[ScheduledSeq], split_head: bool | None = None,
                 prev: "PendingStep | None" = None) -> mx.array:
@@ -94,12 +96,17 @@ class ModelRunner:
             t += s.num_tokens
             if s.samples:
                 rows.append(t - 1)
-        self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size)
-        inputs = mx.array(np.asarray(tokens, dtype=np.int32))
-        if fill_rows:
-            inputs[mx.array(fill_rows)] = prev.result.tokens[mx.array(fill_src)]
+        self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
+                                       split_decodes=self.attention_backend not in PADDING_FREE)
+        if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
+            inputs = prev.result.tokens   # steady decode: last step's samples, in order
+        else:
+            inputs = mx.array(np.asarray(tokens, dtype=np.int32))
+            if fill_rows:
+                inputs[mx.array(fill_rows)] = prev.result.tokens[mx.array(fill_src)]
         split = self._split_head if split_head is None else split_head
-        return self._logits(inputs[:, None], mx.array(rows, dtype=mx.int32), split)
+        rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
+        return self._logits(inputs[:, None], rows_m, split)
 
     def launch(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
         """Queue a step on the device and return at once (`mx.async_eval`)."""

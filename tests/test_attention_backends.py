@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
-from runtime.attention import check_backend, gather, resolve_backend
+from runtime.attention import build_metadata, check_backend, gather, resolve_backend
 from runtime.attention import cuda as cuda_backend
 from runtime.attention import _decode_problem
 
@@ -56,3 +56,17 @@ def test_engine_on_cuda_backend_matches_mlx_lm(model_dirs):
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(engine.model, p, 10)]
+
+
+def test_decode_groups_split_by_length_only_for_padding_backends():
+    """gather pads a group to its longest context, so decodes of very different lengths
+    go to separate groups; a fused kernel reads each context in place, so they stay one
+    group (one launch a layer). Prefill chunks are grouped by length either way."""
+    tables = [list(range(i * 8, i * 8 + n)) for i, n in enumerate([8, 1, 6, 1])]
+    starts, lengths = [120, 3, 60, 10], [1, 1, 30, 5]
+    split = build_metadata(tables, starts, lengths, 16)
+    whole = build_metadata(tables, starts, lengths, 16, split_decodes=False)
+    assert [(g.row_start, g.row_end) for g in split.groups] == [(0, 1), (1, 2), (2, 32), (32, 37)]
+    assert [(g.row_start, g.row_end) for g in whole.groups] == [(0, 2), (2, 32), (32, 37)]
+    assert whole.groups[0].context_lens.tolist() == [121, 4]
+    assert split.slot_mapping.tolist() == whole.slot_mapping.tolist()

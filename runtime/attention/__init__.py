@@ -24,6 +24,9 @@ AttendFn = Callable[..., mx.array]
 
 BACKENDS: dict[str, AttendFn] = {"gather": gather.attend_group, "cuda": cuda.attend_group}
 KERNEL_AVAILABLE: dict[str, Callable[[], bool]] = {"cuda": cuda.available}
+# Backends that read each sequence's own context in place, so a decode group of mixed
+# lengths costs them no padding and need not be split.
+PADDING_FREE = {"cuda"}
 
 
 def get_backend(name: str) -> AttendFn:
@@ -108,8 +111,9 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: Atten
                     scale: float, attend: AttendFn, sinks: mx.array | None = None) -> mx.array:
     """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group."""
     outs = []
+    whole = len(meta.groups) == 1
     for g in meta.groups:
-        rows = q[g.row_start:g.row_end]                           # (Tg, H, 1, D)
+        rows = q if whole else q[g.row_start:g.row_end]           # (Tg, H, 1, D)
         if g.single_query:
             outs.append(attend(rows, k_pool, v_pool, g, scale, meta.block_size, sinks))
             continue
@@ -154,5 +158,5 @@ def install_hook(model) -> list[str]:
     return patched
 
 
-__all__ = ["AttentionMetadata", "GroupMetadata", "build_metadata", "check_backend", "get_backend",
+__all__ = ["PADDING_FREE", "AttentionMetadata", "GroupMetadata", "build_metadata", "check_backend", "get_backend",
            "install_hook", "paged_attention", "resolve_backend", "sort_key", "BACKENDS"]

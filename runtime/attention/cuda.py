@@ -3,9 +3,12 @@
 One thread block per (sequence, KV head, split): it reads that head's keys and values
 straight from the block pool through the block table, serves every query head of the
 GQA group from one load, and keeps an online softmax per warp. Long contexts are split
-along the sequence (flash-decoding); the splits' partial sums are merged with MLX ops.
-Only one-query groups (decodes) use it; prefill chunks and attention sinks go through
-`gather`.
+along the sequence (flash-decoding); a second small kernel merges the splits' partial
+sums and writes the output in the query's dtype. Two kernels a layer, because a decode
+step is host-bound on launches long before it is bound by bandwidth. Padding costs a
+sequence nothing here (each reads only its own context), so a whole decode batch is
+one group. Only one-query groups (decodes) use it; prefill chunks and attention sinks
+go through `gather`.
 """
 
 import mlx.core as mx
@@ -39,7 +42,7 @@ _SOURCE = """
     for (int g = 0; g < G; ++g) {
         const long qoff = ((long)b * n_heads + h_kv * G + g) * D + lane * E;
         for (int e = 0; e < E; ++e) {
-            qv[g][e] = static_cast<float>(q[qoff + e]);
+            qv[g][e] = static_cast<float>(q[qoff + e]) * scale[0];
             acc[g][e] = 0.f;
         }
         m[g] = NEG_INF;
@@ -97,7 +100,30 @@ _SOURCE = """
     }
 """
 
+_MERGE_SOURCE = """
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int S = out_m_shape[2];
+    const int D = out_acc_shape[3];
+    if (i >= (long)out_acc_shape[0] * out_acc_shape[1] * D) return;
+    const long bh = i / D;
+    const int d = i % D;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    float top = NEG_INF;
+    for (int s = 0; s < S; ++s) top = fmaxf(top, out_m[bh * S + s]);
+    float lsum = 0.f, a = 0.f;
+    for (int s = 0; s < S; ++s) {
+        const float mv = out_m[bh * S + s];
+        const float c = (mv == NEG_INF) ? 0.f : __expf(mv - top);
+        lsum += out_l[bh * S + s] * c;
+        a += out_acc[(bh * S + s) * D + d] * c;
+    }
+    out[i] = static_cast<T>(a / lsum);
+"""
+MERGE_THREADS = 256
+
 _kernel = None
+_merge = None
+_scales: dict[float, mx.array] = {}
 
 
 def available() -> bool:
@@ -109,11 +135,31 @@ def _get_kernel():
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="paged_decode_attention",
-            input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens"],
+            input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
             output_names=["out_acc", "out_m", "out_l"],
             source=_SOURCE,
         )
     return _kernel
+
+
+def _get_merge():
+    global _merge
+    if _merge is None:
+        _merge = mx.fast.cuda_kernel(
+            name="paged_decode_merge",
+            input_names=["out_acc", "out_m", "out_l"],
+            output_names=["out"],
+            source=_MERGE_SOURCE,
+        )
+    return _merge
+
+
+def _scale_array(scale: float) -> mx.array:
+    """One device scalar per softmax scale, made once rather than every layer call."""
+    a = _scales.get(scale)
+    if a is None:
+        a = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    return a
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
@@ -131,20 +177,22 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
         raise ValueError("paged_decode needs head_dim % 32 == 0 and heads % kv_heads == 0")
     splits = num_splits(b, n_kv, max_context)
     acc, m, l = _get_kernel()(
-        inputs=[(q * scale).astype(k_pool.dtype), k_pool, v_pool, block_tables, context_lens],
+        inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
         template=[("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
         grid=(WARPS * 32, n_kv, b * splits),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    if splits == 1:
-        out = acc[:, :, 0] / l[:, :, 0, None]
-    else:
-        top = m.max(axis=-1, keepdims=True)
-        w = mx.exp(m - top)
-        out = (acc * w[..., None]).sum(axis=2) / (l * w).sum(axis=2)[..., None]
-    return out.astype(q.dtype)
+    total = b * h * d
+    return _get_merge()(
+        inputs=[acc, m, l],
+        template=[("T", q.dtype)],
+        grid=(-(-total // MERGE_THREADS) * MERGE_THREADS, 1, 1),
+        threadgroup=(MERGE_THREADS, 1, 1),
+        output_shapes=[(b, h, d)],
+        output_dtypes=[q.dtype],
+    )[0]
 
 
 def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,

@@ -6,9 +6,12 @@ sequences with one new token (decodes, one-token chunks) first, then sequences w
 several (prefill chunks). Within a kind, sequences come sorted by context length,
 longest first, and a new group starts where the context falls below half the
 group's longest: padding to the longest then wastes at most half of a group's
-attention work, with a handful of groups per step.
+attention work, with a handful of groups per step. A backend that reads each
+sequence's own context in place (a fused kernel) pays nothing for padding, so its
+decodes stay one group: one kernel launch a layer.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -57,11 +60,11 @@ def sort_key(num_tokens: int, context_len: int) -> tuple[bool, int]:
     return (num_tokens != 1, -context_len)
 
 
-def _group_bounds(lengths: list[int], ctx: np.ndarray) -> list[tuple[int, int]]:
+def _group_bounds(lengths: list[int], ctx: np.ndarray, split_decodes: bool) -> list[tuple[int, int]]:
     bounds, start = [], 0
     for i in range(1, len(lengths) + 1):
         if i == len(lengths) or (lengths[i] == 1) != (lengths[start] == 1) \
-                or ctx[i] < SPLIT_RATIO * ctx[start]:
+                or ((split_decodes or lengths[i] != 1) and ctx[i] < SPLIT_RATIO * ctx[start]):
             bounds.append((start, i))
             start = i
     return bounds
@@ -71,14 +74,15 @@ def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
     """One group: sequences' block tables, first new positions, new-token counts and
     context lengths (a numpy array), its first packed row."""
     n = len(lengths)
-    width = max(len(t) for t in tables)
+    widths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    width = int(widths.max())
     bt = np.zeros((n, width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = t
+    bt[np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
     lq = max(lengths)
-    qpos = np.zeros((n, lq), dtype=np.int32)
-    for i, (s, m) in enumerate(zip(starts, lengths)):
-        qpos[i, :m] = np.arange(s, s + m)
+    st = np.asarray(starts, dtype=np.int32)[:, None]
+    qpos = st + np.arange(lq, dtype=np.int32)[None]
+    if lq > 1:
+        qpos = np.where(np.arange(lq)[None] < np.asarray(lengths)[:, None], qpos, 0)
     qrows = out_rows = None
     if lq > 1 and n > 1:
         q = np.zeros((n, lq), dtype=np.int32)
@@ -89,7 +93,7 @@ def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
             o[r:r + m] = i * lq + np.arange(m)
             r += m
         qrows, out_rows = mx.array(q), mx.array(o)
-    qpos_m = mx.array(qpos)
+    qpos_m = mx.array(qpos.astype(np.int32))
     keys = mx.arange(width * block_size)
     return GroupMetadata(
         row_start=row0, row_end=row0 + sum(lengths),
@@ -101,15 +105,22 @@ def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
-                   block_size: int) -> AttentionMetadata:
-    """Sequences must come in `sort_key` order."""
-    positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, lengths)])
-    slots = np.empty_like(positions)
-    ctx = np.asarray(starts, dtype=np.int64) + np.asarray(lengths, dtype=np.int64)
-    row_of = np.concatenate([[0], np.cumsum(lengths)])
-    for table, r0, r1 in zip(block_tables, row_of[:-1], row_of[1:]):
-        pos = positions[r0:r1]
-        slots[r0:r1] = np.asarray(table, dtype=np.int32)[pos // block_size] * block_size + pos % block_size
+                   block_size: int, split_decodes: bool = True) -> AttentionMetadata:
+    """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
+    one-token sequences in one group, for backends that do not pad. Vectorized over
+    tokens: the per-sequence Python work is one list extend."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    ctx = np.asarray(starts, dtype=np.int64) + lens
+    row_of = np.concatenate([[0], np.cumsum(lens)])
+    seq_of_row = np.repeat(np.arange(len(lens)), lens)
+    positions = (np.arange(row_of[-1]) - row_of[:-1][seq_of_row] + np.asarray(starts)[seq_of_row])
+    flat, table_at = [], []
+    for t in block_tables:
+        table_at.append(len(flat))
+        flat.extend(t)
+    blocks = np.asarray(flat, dtype=np.int64)[np.asarray(table_at)[seq_of_row] + positions // block_size]
+    slots = blocks * block_size + positions % block_size
     groups = [make_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size)
-              for a, b in _group_bounds(lengths, ctx)]
-    return AttentionMetadata(mx.array(positions), mx.array(slots), groups, block_size)
+              for a, b in _group_bounds(lengths, ctx, split_decodes)]
+    return AttentionMetadata(mx.array(positions.astype(np.int32)), mx.array(slots.astype(np.int32)),
+                             groups, block_size)

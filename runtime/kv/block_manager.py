@@ -46,6 +46,10 @@ class KVCacheManager:
                        computed_blocks: list[int] = ()) -> bool:
         """Reserve room for `num_new_tokens` after `computed_blocks` (cache hits, for a
         sequence being admitted). False, with nothing changed, if the pool is short."""
+        end = seq.num_computed_tokens + num_new_tokens
+        if not computed_blocks and end <= len(seq.block_ids) * self.block_size \
+                and end // self.block_size <= seq.num_published_blocks:
+            return True   # a decode inside its last block: nothing to allocate or publish
         need = self.num_blocks_needed(seq, num_new_tokens, len(computed_blocks))
         # Touching a free cached block takes it out of the free queue too.
         reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
