@@ -70,3 +70,18 @@ def test_decode_groups_split_by_length_only_for_padding_backends():
     assert [(g.row_start, g.row_end) for g in whole.groups] == [(0, 2), (2, 32), (32, 37)]
     assert whole.groups[0].context_lens.tolist() == [121, 4]
     assert split.slot_mapping.tolist() == whole.slot_mapping.tolist()
+
+
+def test_prefill_groups_are_padded_to_power_of_two_shapes():
+    """Fused attention plans per shape (on CUDA, up to a second for each new one), so a
+    prefill group's sequences, queries and key blocks are padded to powers of two, and
+    the real rows map back in packed order."""
+    tables = [[3, 4], [7]]
+    meta = build_metadata(tables, [10, 6], [5, 3], 16)
+    (g,) = meta.groups
+    assert g.block_tables.shape == (2, 4) and g.query_pos.shape == (2, 16)
+    assert g.mask.shape == (2, 1, 16, 64)
+    assert g.query_rows[0, :5].tolist() == [0, 1, 2, 3, 4] and g.query_rows[1, :3].tolist() == [5, 6, 7]
+    assert g.out_rows.tolist() == [0, 1, 2, 3, 4, 16, 17, 18]
+    assert g.query_pos[0, :5].tolist() == [10, 11, 12, 13, 14] and g.query_pos[0, 5:].tolist() == [0] * 11
+    assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]

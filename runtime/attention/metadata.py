@@ -70,35 +70,48 @@ def _group_bounds(lengths: list[int], ctx: np.ndarray, split_decodes: bool) -> l
     return bounds
 
 
+def bucket(n: int, least: int) -> int:
+    """The power of two at or above `n`, and at least `least`."""
+    return max(least, 1 << (n - 1).bit_length())
+
+
 def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
     """One group: sequences' block tables, first new positions, new-token counts and
-    context lengths (a numpy array), its first packed row."""
+    context lengths (a numpy array), its first packed row.
+
+    A multi-token (prefill) group is padded to power-of-two sizes in sequences,
+    queries and key blocks: fused attention builds a plan per input shape (on CUDA,
+    tens of ms to a second, every new shape), and ragged prefill would otherwise
+    bring new shapes every step. Padding queries sit at position 0 and see key 0;
+    their outputs are dropped through `out_rows`."""
     n = len(lengths)
     widths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-    width = int(widths.max())
-    bt = np.zeros((n, width), dtype=np.int32)
-    bt[np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
     lq = max(lengths)
-    st = np.asarray(starts, dtype=np.int32)[:, None]
-    qpos = st + np.arange(lq, dtype=np.int32)[None]
+    rows_n, lq_n, width = n, lq, int(widths.max())
     if lq > 1:
-        qpos = np.where(np.arange(lq)[None] < np.asarray(lengths)[:, None], qpos, 0)
+        rows_n, lq_n, width = bucket(n, 1), bucket(lq, 16), bucket(width, 4)
+    bt = np.zeros((rows_n, width), dtype=np.int32)
+    bt[:n][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
+    lens = np.asarray(lengths)
+    valid = np.zeros((rows_n, lq_n), dtype=bool)
+    valid[:n] = np.arange(lq_n)[None] < lens[:, None]
+    qpos = np.zeros((rows_n, lq_n), dtype=np.int32)
+    qpos[:n] = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(lq_n, dtype=np.int32)[None]
+    qpos[~valid] = 0
     qrows = out_rows = None
-    if lq > 1 and n > 1:
-        q = np.zeros((n, lq), dtype=np.int32)
-        o = np.empty(sum(lengths), dtype=np.int32)
-        r = 0
-        for i, m in enumerate(lengths):
-            q[i, :m] = np.arange(r, r + m)
-            o[r:r + m] = i * lq + np.arange(m)
-            r += m
-        qrows, out_rows = mx.array(q), mx.array(o)
-    qpos_m = mx.array(qpos.astype(np.int32))
+    if lq > 1 and (n > 1 or lq_n != lq):
+        q = np.zeros((rows_n, lq_n), dtype=np.int32)
+        q[valid] = np.arange(int(lens.sum()), dtype=np.int32)   # row-major: each sequence's rows in order
+        out_rows = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))
+        qrows = mx.array(q)
+    qpos_m = mx.array(qpos)
     keys = mx.arange(width * block_size)
+    context = np.ones(rows_n, dtype=np.int32)
+    context[:n] = ctx
     return GroupMetadata(
-        row_start=row0, row_end=row0 + sum(lengths),
+        row_start=row0, row_end=row0 + int(lens.sum()),
         block_tables=mx.array(bt), query_pos=qpos_m,
-        context_lens=mx.array(ctx.astype(np.int32)), max_context_len=int(ctx.max()),
+        context_lens=mx.array(context), max_context_len=int(ctx.max()),
         mask=(keys[None, None, :] <= qpos_m[:, :, None])[:, None],
         query_rows=qrows, out_rows=out_rows,
     )
