@@ -60,6 +60,8 @@ class ModelRunner:
         log.info("attention backend %s (%s)", self.attention_backend, why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
+        # Shape-bucketed prefill attention where new shapes cost a plan build (CUDA).
+        self.pad_prefill = mx.default_device() == mx.gpu and mx.cuda.is_available()
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
 
@@ -97,7 +99,8 @@ class ModelRunner:
             if s.samples:
                 rows.append(t - 1)
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
-                                       split_decodes=self.attention_backend not in PADDING_FREE)
+                                       split_decodes=self.attention_backend not in PADDING_FREE,
+                                       pad_prefill=self.pad_prefill)
         if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
             inputs = prev.result.tokens   # steady decode: last step's samples, in order
         else:

@@ -77,7 +77,7 @@ def test_prefill_groups_are_padded_to_power_of_two_shapes():
     prefill group's sequences, queries and key blocks are padded to powers of two, and
     the real rows map back in packed order."""
     tables = [[3, 4], [7]]
-    meta = build_metadata(tables, [10, 6], [5, 3], 16)
+    meta = build_metadata(tables, [10, 6], [5, 3], 16, pad_prefill=True)
     (g,) = meta.groups
     assert g.block_tables.shape == (2, 4) and g.query_pos.shape == (2, 16)
     assert g.mask.shape == (2, 1, 16, 64)
@@ -85,3 +85,4 @@ def test_prefill_groups_are_padded_to_power_of_two_shapes():
     assert g.out_rows.tolist() == [0, 1, 2, 3, 4, 16, 17, 18]
     assert g.query_pos[0, :5].tolist() == [10, 11, 12, 13, 14] and g.query_pos[0, 5:].tolist() == [0] * 11
     assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]
+

@@ -152,3 +152,16 @@ def test_priority_runs_first(default_model):
     while eng.has_unfinished_requests():
         order += [o.request_id for o in eng.step() if o.finished]
     assert order == ["high", "low"]
+
+
+def test_shape_padded_prefill_matches(arch):
+    """Prefill padded to power-of-two shapes (what the engine does on CUDA), forced on
+    here: ragged prompts chunked several to a step still give mlx-lm's tokens and
+    logprobs."""
+    name, path = arch
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, max_num_batched_tokens=40))
+    engine.runner.pad_prefill = True
+    rng = random.Random(3)
+    prompts = [_prompt(rng, n) for n in (3, 50, 17, 33)]
+    for ids, out in zip(prompts, engine.generate(prompts, _params())):
+        _check(engine, out, ids, TOL[name])

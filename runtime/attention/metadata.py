@@ -75,20 +75,21 @@ def bucket(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
+def make_group(tables, starts, lengths, ctx, row0, block_size, pad: bool = False) -> GroupMetadata:
     """One group: sequences' block tables, first new positions, new-token counts and
     context lengths (a numpy array), its first packed row.
 
-    A multi-token (prefill) group is padded to power-of-two sizes in sequences,
-    queries and key blocks: fused attention builds a plan per input shape (on CUDA,
-    tens of ms to a second, every new shape), and ragged prefill would otherwise
-    bring new shapes every step. Padding queries sit at position 0 and see key 0;
-    their outputs are dropped through `out_rows`."""
+    With `pad`, a multi-token (prefill) group is padded to power-of-two sizes in
+    sequences, queries and key blocks: MLX's fused attention on CUDA builds a plan per
+    input shape (40 ms to a second for each new one), and ragged prefill would bring
+    new shapes every step. Padding queries sit at position 0 and see key 0; their
+    outputs are dropped through `out_rows`. Metal and CPU pay nothing per shape, so
+    there padding would only add work."""
     n = len(lengths)
     widths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
     lq = max(lengths)
     rows_n, lq_n, width = n, lq, int(widths.max())
-    if lq > 1:
+    if pad and lq > 1:
         rows_n, lq_n, width = bucket(n, 1), bucket(lq, 16), bucket(width, 4)
     bt = np.zeros((rows_n, width), dtype=np.int32)
     bt[:n][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
@@ -118,9 +119,11 @@ def make_group(tables, starts, lengths, ctx, row0, block_size) -> GroupMetadata:
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
-                   block_size: int, split_decodes: bool = True) -> AttentionMetadata:
+                   block_size: int, split_decodes: bool = True,
+                   pad_prefill: bool = False) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
-    one-token sequences in one group, for backends that do not pad. Vectorized over
+    one-token sequences in one group, for backends that do not pad; `pad_prefill`
+    pads prefill groups to power-of-two shapes (see `make_group`). Vectorized over
     tokens: the per-sequence Python work is one list extend."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
@@ -133,7 +136,8 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
         flat.extend(t)
     blocks = np.asarray(flat, dtype=np.int64)[np.asarray(table_at)[seq_of_row] + positions // block_size]
     slots = blocks * block_size + positions % block_size
-    groups = [make_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size)
+    groups = [make_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size,
+                         pad_prefill)
               for a, b in _group_bounds(lengths, ctx, split_decodes)]
     return AttentionMetadata(mx.array(positions.astype(np.int32)), mx.array(slots.astype(np.int32)),
                              groups, block_size)
