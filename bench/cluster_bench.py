@@ -3,7 +3,8 @@ prefix-aware routing vs Ray's default router on a multi-prefix workload.
 
 `ray.cluster_utils.Cluster` runs a head node and one node per simulated Mac (custom
 resource `mac`), all on 127.0.0.1. Each `LLMServer` replica needs one `mac`, so
-replicas land one per node. Writes `bench/results/cluster.json` and a PNG.
+replicas land one per node. Writes `bench/results/cluster.json` and `cluster.png`
+(`--replot` redraws the PNG from the JSON).
 
     python bench/cluster_bench.py
 """
@@ -60,7 +61,7 @@ def stop_cluster(cluster) -> None:
 
 
 def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks: int = 48,
-           autoscaling: dict | None = None):
+           autoscaling: dict | None = None, pin_cpus: int | None = None):
     from ray import serve
 
     from deployments.app import AppArgs, build_app
@@ -73,7 +74,7 @@ def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks:
         llm["autoscaling_config"] = autoscaling
     args = AppArgs(served_model_name=MODEL, llm_server=llm,
                    engine={"num_gpu_blocks": kv_blocks, "block_size": 16, "max_num_seqs": 32},
-                   ingress={"ray_actor_options": {"num_cpus": 0.1}})
+                   ingress={"ray_actor_options": {"num_cpus": 0.1}}, pin_cpus=pin_cpus)
     serve.run(build_app(args), name=name, route_prefix=route)
 
 
@@ -109,12 +110,15 @@ async def _run(url: str, prompts: list, concurrency: int, max_tokens: int) -> di
             first = None
             async with cl.stream("POST", url + "/v1/completions", timeout=300, json={
                     "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}) as r:
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
-                        first = first or time.perf_counter()
-                        tokens += sum(1 for c in json.loads(line[6:])["choices"] if c["text"])
+                        chunk = json.loads(line[6:])
+                        if any(c["text"] for c in chunk["choices"]):
+                            first = first or time.perf_counter()
+                        if chunk.get("usage"):   # a chunk may carry several tokens: count from usage
+                            tokens += chunk["usage"]["completion_tokens"]
             ttfts.append(first - t)
 
     t0 = time.perf_counter()
@@ -142,22 +146,60 @@ def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int 
     return res
 
 
+def plot(result: dict, path: Path) -> Path:
+    """Three panels: aggregate throughput (1 vs 2 replicas), prefix-cache hit rate and
+    TTFT p50/p95 (prefix-aware vs default router)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax[0].bar(["1 replica", "2 replicas"], [result["replicas_1_output_tok_s"], result["replicas_2_output_tok_s"]],
+              color=["tab:gray", "tab:blue"])
+    ax[0].set_ylabel("output tok/s")
+    ax[0].set_title(f"throughput ({result['throughput_ratio_2_vs_1']:.2f}x)")
+    routers = ["prefix-aware", "default"]
+    ax[1].bar(routers, [100 * result["prefix_router_hit_rate"], 100 * result["default_router_hit_rate"]],
+              color=["tab:green", "tab:gray"])
+    ax[1].set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax[1].set_title("routing: cache hits")
+    x = np.arange(2)
+    for i, (q, label) in enumerate((("p50", "TTFT p50"), ("p95", "TTFT p95"))):
+        ax[2].bar(x + (i - 0.5) * 0.38, [result[f"prefix_router_ttft_{q}_s"], result[f"default_router_ttft_{q}_s"]],
+                  0.38, label=label)
+    ax[2].set_xticks(x, routers)
+    ax[2].set_ylabel("seconds")
+    ax[2].set_title("routing: TTFT")
+    ax[2].legend(fontsize=8)
+    fig.suptitle(f"simulated Mac cluster on one {result.get('num_cpus', '?')}-CPU host (bench/cluster_bench.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", type=int, default=16)
     ap.add_argument("--per-family", type=int, default=4)
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     args = ap.parse_args(argv)
+    if args.replot:
+        print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
+        return
     cluster, url = start_cluster(num_macs=2)
     try:
-        deploy("one", "/one", 1, None, kv_blocks=256)
-        deploy("two", "/two", 2, None, kv_blocks=256)
+        # Each replica's process on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
+        # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
+        deploy("one", "/one", 1, None, kv_blocks=256, pin_cpus=1)
+        deploy("two", "/two", 2, None, kv_blocks=256, pin_cpus=1)
         rng = random.Random(5)
-        load = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(48)]
-        run_workload(url + "/one", load[:4], 4, 8)
-        run_workload(url + "/two", load[:4], 4, 8)
-        one = run_workload(url + "/one", load, concurrency=16, max_tokens=48)
-        two = run_workload(url + "/two", load, concurrency=16, max_tokens=48)
+        load = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(160)]
+        run_workload(url + "/one", load[:32], 16, 16)
+        run_workload(url + "/two", load[:32], 16, 16)
+        one = run_workload(url + "/one", load[32:], concurrency=32, max_tokens=64)
+        two = run_workload(url + "/two", load[32:], concurrency=32, max_tokens=64)
         from ray import serve
         for name in ("one", "two"):          # free the simulated Macs
             serve.delete(name)
@@ -176,10 +218,14 @@ def main(argv=None):
         "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
         "details": {"one": one, "two": two, "prefix": pre, "default": dflt},
-        "note": "simulated nodes share this machine's 2 cores; MLX threads are not pinned",
+        "note": ("simulated nodes share this machine's cores; for 1 vs 2 replicas each replica's "
+                 "engine thread (and MLX's threads) is pinned to its own CPU (pin_cpus=1); Ray's "
+                 "own processes and threads and the client are not pinned"),
+        "num_cpus": os.cpu_count(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
+    plot(result, Path(args.out).with_suffix(".png"))
     print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "
           f"({result['throughput_ratio_2_vs_1']:.2f}x)")
     print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "

@@ -59,6 +59,11 @@ class AppArgs(BaseModel):
                                 "request (the last at once): each chunk costs a Ray message through "
                                 "replica, ingress and proxy; 0 streams every engine step")
 
+    pin_cpus: Optional[int] = Field(
+        None, ge=1, description="pin each LLMServer process to this many CPUs, replica rank r "
+                                "taking CPUs [r * n, (r + 1) * n) modulo the host's count: for "
+                                "MLX's CPU backend when several replicas share one host (Linux)")
+
     @field_validator("engine")
     @classmethod
     def _engine(cls, v: dict) -> dict:
@@ -97,4 +102,4 @@ def build_app(args: AppArgs) -> serve.Application:
     }
     server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress))
-    return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3), settings)
+    return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3, args.pin_cpus), settings)

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
 from .engine import LLMEngine
@@ -41,8 +41,12 @@ class _Waiter:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 600.0,
+                 on_start: Callable[[], None] | None = None):
+        """`on_start` runs first on the engine thread, before the model loads (to pin
+        that thread, say)."""
         self.config = config or EngineConfig()
+        self._on_start = on_start
         self._commands: queue.Queue = queue.Queue()
         self._waiters: dict[str, _Waiter] = {}
         self._error: BaseException | None = None
@@ -140,6 +144,8 @@ class AsyncEngine:
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._on_start is not None:
+                self._on_start()
             self.engine = LLMEngine(self.config)
             self._stats = self.engine.stats()
         except BaseException as e:

@@ -26,8 +26,15 @@ def test_prefix_aware_routing_beats_default(cluster):
     # 44 blocks per replica cannot hold all 16 families' 5-block prefixes (80 blocks), so a
     # router that sends every family everywhere makes each replica's LRU cache thrash;
     # half the families per replica (40 blocks) fit.
-    deploy("prefix", "/prefix", 2, ROUTER, kv_blocks=44)
+    deploy("prefix", "/prefix", 2, ROUTER, kv_blocks=44, pin_cpus=1)
     deploy("default", "/default", 2, None, kv_blocks=44)
+    if hasattr(os, "sched_getaffinity") and (os.cpu_count() or 1) >= 2:
+        # pin_cpus=1: replica rank r runs its engine thread (and MLX's) on CPU r alone.
+        pinned = []
+        for pid in replica_pids("prefix"):
+            masks = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
+            pinned.append(sorted(m for m in masks if len(m) == 1))
+        assert sorted(pinned) == [[(0,)], [(1,)]]
     prompts = families(16, prefix_blocks=5, per_family=4)
     pre = run_workload(cluster + "/prefix", prompts)
     dflt = run_workload(cluster + "/default", prompts)
