@@ -62,6 +62,7 @@ def sort_key(num_tokens: int, context_len: int) -> tuple[bool, int]:
 
 def _group_bounds(lengths: list[int], ctx: np.ndarray, split_decodes: bool) -> list[tuple[int, int]]:
     bounds, start = [], 0
+    ctx = ctx.tolist()   # Python ints: numpy scalar compares cost ~10x more in this loop
     for i in range(1, len(lengths) + 1):
         if i == len(lengths) or (lengths[i] == 1) != (lengths[start] == 1) \
                 or ((split_decodes or lengths[i] != 1) and ctx[i] < SPLIT_RATIO * ctx[start]):
