@@ -60,9 +60,10 @@ class AppArgs(BaseModel):
                                 "replica, ingress and proxy; 0 streams every engine step")
 
     pin_cpus: Optional[int] = Field(
-        None, ge=1, description="pin each LLMServer process to this many CPUs, replica rank r "
-                                "taking CPUs [r * n, (r + 1) * n) modulo the host's count: for "
-                                "MLX's CPU backend when several replicas share one host (Linux)")
+        None, ge=1, description="pin each LLMServer's engine thread (and MLX's threads) to this "
+                                "many CPUs, replica rank r taking CPUs [r * n, (r + 1) * n) modulo "
+                                "the host's count: for MLX's CPU backend when several replicas "
+                                "share one host (Linux); Ray's own threads stay unpinned")
 
     @field_validator("engine")
     @classmethod

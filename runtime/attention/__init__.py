@@ -158,5 +158,5 @@ def install_hook(model) -> list[str]:
     return patched
 
 
-__all__ = ["PADDING_FREE", "AttentionMetadata", "GroupMetadata", "build_metadata", "check_backend", "get_backend",
-           "install_hook", "paged_attention", "resolve_backend", "sort_key", "BACKENDS"]
+__all__ = ["AttentionMetadata", "GroupMetadata", "build_metadata", "check_backend", "get_backend",
+           "install_hook", "paged_attention", "resolve_backend", "sort_key", "BACKENDS", "PADDING_FREE"]

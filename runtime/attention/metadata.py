@@ -29,7 +29,9 @@ class GroupMetadata:
     `context_lens` is (B,) the number of valid keys; `mask` (B, 1, Lq, max_blocks *
     block_size) is true where a query may attend a key. `query_rows` maps the (B, Lq)
     layout onto the group's rows and `out_rows` maps back; both are None when every
-    sequence has one query or there is one sequence (the layout is the packed order).
+    sequence has one query or there is one unpadded sequence (the layout is the packed
+    order). A shape-padded prefill group (`make_group(pad=True)`) has B, Lq and
+    max_blocks rounded up to powers of two; its padding sequences have context 1.
     """
 
     row_start: int
