@@ -97,11 +97,12 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         return max(from_stats, from_recent)
 
     def _fallback(self, candidates):
-        """Power of two choices on load (in coarse steps, since load reports lag); within
-        a step, the replica this router has sent fewer prefix blocks, so new prefix
-        families spread evenly over the replicas' caches."""
+        """Power of two choices on load, in steps of `imbalance_threshold` (load reports
+        lag, and a difference below the threshold is ignored when following a prefix
+        too); within a step, the replica this router has sent fewer prefix blocks, so
+        new prefix families spread evenly over the replicas' caches."""
         pair = self.rng.sample(candidates, min(2, len(candidates)))
-        step = max(1, self.imbalance_threshold // 2)
+        step = max(1, self.imbalance_threshold)
         return sorted(pair, key=lambda r: (self._load(r) // step, self._owned[r.replica_id]))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
