@@ -1,10 +1,11 @@
 """A simulated Mac cluster on this machine: aggregate throughput of 1 vs 2 replicas, and
 prefix-aware routing vs Ray's default router on a multi-prefix workload.
 
-`ray.cluster_utils.Cluster` runs a head node and one node per simulated Mac (custom
-resource `mac`), all on 127.0.0.1. Each `LLMServer` replica needs one `mac`, so
-replicas land one per node. Writes `bench/results/cluster.json` and `cluster.png`
-(`--replot` redraws the PNG from the JSON).
+`ray.cluster_utils.Cluster` runs a head node and three nodes, one per simulated Mac
+(custom resource `mac`), all on 127.0.0.1. Each `LLMServer` replica needs one `mac`,
+so replicas land one per node. Routing is compared with 2 and with 3 replicas.
+Writes `bench/results/cluster.json` and `cluster.png` (`--replot` redraws the PNG
+from the JSON).
 
     python bench/cluster_bench.py
 """
@@ -159,10 +160,16 @@ def plot(result: dict, path: Path) -> Path:
     ax[0].set_ylabel("output tok/s")
     ax[0].set_title(f"throughput ({result['throughput_ratio_2_vs_1']:.2f}x)")
     routers = ["prefix-aware", "default"]
-    ax[1].bar(routers, [100 * result["prefix_router_hit_rate"], 100 * result["default_router_hit_rate"]],
-              color=["tab:green", "tab:gray"])
+    groups = [("2 replicas", result)]
+    if "routing_3_replicas" in result:
+        groups.append(("3 replicas", result["routing_3_replicas"]))
+    x = np.arange(len(groups))
+    for i, (key, color) in enumerate((("prefix_router_hit_rate", "tab:green"), ("default_router_hit_rate", "tab:gray"))):
+        ax[1].bar(x + (i - 0.5) * 0.38, [100 * g[key] for _, g in groups], 0.38, color=color, label=routers[i])
+    ax[1].set_xticks(x, [name for name, _ in groups])
     ax[1].set_ylabel("prefix-cache hit rate (% of prompt tokens)")
     ax[1].set_title("routing: cache hits")
+    ax[1].legend(fontsize=8)
     x = np.arange(2)
     for i, (q, label) in enumerate((("p50", "TTFT p50"), ("p95", "TTFT p95"))):
         ax[2].bar(x + (i - 0.5) * 0.38, [result[f"prefix_router_ttft_{q}_s"], result[f"default_router_ttft_{q}_s"]],
@@ -188,7 +195,7 @@ def main(argv=None):
     if args.replot:
         print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
         return
-    cluster, url = start_cluster(num_macs=2)
+    cluster, url = start_cluster(num_macs=3)
     try:
         # Each replica's process on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
         # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
@@ -209,6 +216,13 @@ def main(argv=None):
         prompts = families(args.families, prefix_blocks=5, per_family=args.per_family)
         pre = run_workload(url + "/prefix", prompts)
         dflt = run_workload(url + "/default", prompts)
+        for name in ("prefix", "default"):
+            serve.delete(name)
+        # With more replicas, routing by chance scatters each family over more caches.
+        deploy("prefix3", "/prefix3", 3, ROUTER, kv_blocks=44)
+        deploy("default3", "/default3", 3, None, kv_blocks=44)
+        pre3 = run_workload(url + "/prefix3", prompts)
+        dflt3 = run_workload(url + "/default3", prompts)
     finally:
         stop_cluster(cluster)
     result = {
@@ -217,7 +231,10 @@ def main(argv=None):
         "prefix_router_ttft_p50_s": pre["ttft_p50_s"], "default_router_ttft_p50_s": dflt["ttft_p50_s"],
         "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
-        "details": {"one": one, "two": two, "prefix": pre, "default": dflt},
+        "routing_3_replicas": {
+            "prefix_router_hit_rate": pre3["hit_rate"], "default_router_hit_rate": dflt3["hit_rate"],
+            "prefix_router_ttft_p50_s": pre3["ttft_p50_s"], "default_router_ttft_p50_s": dflt3["ttft_p50_s"]},
+        "details": {"one": one, "two": two, "prefix": pre, "default": dflt, "prefix3": pre3, "default3": dflt3},
         "note": ("simulated nodes share this machine's cores; for 1 vs 2 replicas each replica's "
                  "engine thread (and MLX's threads) is pinned to its own CPU (pin_cpus=1); Ray's "
                  "own processes and threads and the client are not pinned"),
@@ -230,6 +247,7 @@ def main(argv=None):
           f"({result['throughput_ratio_2_vs_1']:.2f}x)")
     print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
           f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
+    print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
     print("wrote", args.out)
 
 
