@@ -197,8 +197,8 @@ def main(argv=None):
         return
     cluster, url = start_cluster(num_macs=3)
     try:
-        # Each replica's process on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
-        # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
+        # Each replica's engine thread on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as
+        # a replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
         deploy("one", "/one", 1, None, kv_blocks=256, pin_cpus=1)
         deploy("two", "/two", 2, None, kv_blocks=256, pin_cpus=1)
         rng = random.Random(5)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import PADDING_FREE, build_metadata, get_backend, install_hook, resolve_backend
+from .attention import PADDING_FREE, build_metadata, cuda, get_backend, install_hook, resolve_backend
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
 from .models.loader import kv_geometry
@@ -61,7 +61,7 @@ class ModelRunner:
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
         # Shape-bucketed prefill attention where new shapes cost a plan build (CUDA).
-        self.pad_prefill = mx.default_device() == mx.gpu and mx.cuda.is_available()
+        self.pad_prefill = cuda.available()
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
 

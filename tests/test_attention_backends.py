@@ -85,4 +85,3 @@ def test_prefill_groups_are_padded_to_power_of_two_shapes():
     assert g.out_rows.tolist() == [0, 1, 2, 3, 4, 16, 17, 18]
     assert g.query_pos[0, :5].tolist() == [10, 11, 12, 13, 14] and g.query_pos[0, 5:].tolist() == [0] * 11
     assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]
-
