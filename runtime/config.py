@@ -13,6 +13,8 @@ class EngineConfig:
     `kv_cache_memory_fraction` of the device memory; `num_gpu_blocks` overrides both
     (tests use it to force preemption). `async_scheduling` queues step N+1 on the device
     before step N's tokens are read back (mlx-lm's `mx.async_eval` pipelining).
+    `compile_decode` runs decode-only steps through `mx.compile` (decode_graph.py);
+    None turns it on where it pays: on a GPU, not on the CPU.
     """
 
     model: str = str(default_model_path())
@@ -28,6 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_continuous_batching: bool = True
     attention_backend: str = "auto"
+    compile_decode: bool | None = None
     async_scheduling: bool = True
     seed: int = 0
     trust_remote_code: bool = False

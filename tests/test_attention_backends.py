@@ -85,3 +85,28 @@ def test_prefill_groups_are_padded_to_power_of_two_shapes():
     assert g.out_rows.tolist() == [0, 1, 2, 3, 4, 16, 17, 18]
     assert g.query_pos[0, :5].tolist() == [10, 11, 12, 13, 14] and g.query_pos[0, 5:].tolist() == [0] * 11
     assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_decode_steps_write_the_pool_in_place(default_model, compile_decode):
+    """KV writes update the pool in place. A step queued while the previous one still
+    held the pool would copy each layer's whole pool array instead (MLX donates a
+    buffer only when nothing queued holds it): device memory would peak a layer
+    array above what is live."""
+    engine = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=8192, max_num_seqs=16,
+                                    compile_decode=compile_decode))
+    layer_bytes = engine.runner.pool.keys[0].nbytes
+    for i in range(16):
+        engine.add_request(f"r{i}", None, SamplingParams(max_tokens=64, ignore_eos=True),
+                           prompt_token_ids=[3 + (5 * i + j) % 200 for j in range(64)])
+    for _ in range(8):
+        engine.step()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    live = mx.get_active_memory()
+    for _ in range(24):
+        engine.step()
+    mx.synchronize()
+    assert mx.get_peak_memory() - live < layer_bytes // 2
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -165,3 +165,31 @@ def test_shape_padded_prefill_matches(arch):
     prompts = [_prompt(rng, n) for n in (3, 50, 17, 33)]
     for ids, out in zip(prompts, engine.generate(prompts, _params())):
         _check(engine, out, ids, TOL[name])
+
+
+def test_compiled_decode_matches(arch):
+    """Decode steps through `mx.compile` (on by default on a GPU), forced on here: batches
+    that grow and shrink pad to power-of-two buckets, with chunked prefill and
+    preemption around them, and still give mlx-lm's tokens and logprobs."""
+    name, path = arch
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=12, block_size=8,
+                                    max_num_batched_tokens=24, max_num_seqs=8, compile_decode=True))
+    rng = random.Random(11)
+    prompts = [_prompt(rng, rng.randrange(1, 30)) for _ in range(9)]
+    outs, pending, steps = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:
+            for i, p in pending[:2]:
+                engine.add_request(f"r{i}", None, _params(), prompt_token_ids=p)
+            del pending[:2]
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+    graph = engine.runner.decode_graph
+    assert any(b & (b - 1) == 0 and b > 2 for b, _ in graph.buckets), graph.buckets
+    assert len(graph.buckets) > 2, "batches were meant to change size"
+    assert engine.stats()["preemptions"] > 0
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
+    for i, p in enumerate(prompts):
+        _check(engine, outs[f"r{i}"], p, TOL[name])

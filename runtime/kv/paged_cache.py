@@ -1,7 +1,9 @@
 """KV storage in MLX arrays, and the per-layer cache objects mlx-lm models talk to.
 
-`KVPool` preallocates one K and one V array per layer, shaped (num_blocks *
-block_size, kv_heads, head_dim): a block is `block_size` consecutive slots. New K/V
+`KVPool` preallocates one K and one V array per layer, shaped ((num_blocks + 1) *
+block_size, kv_heads, head_dim): a block is `block_size` consecutive slots. The extra
+block is scratch that no sequence owns: rows that pad a batch write their K/V there.
+New K/V
 are scattered into their slots in place (`pool[slots] = k`); attention reads them back
 through block tables, never concatenating per step.
 
@@ -23,7 +25,8 @@ class KVPool:
                  head_dim: int, dtype: mx.Dtype, v_head_dim: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        slots = num_blocks * block_size
+        self.scratch_slot = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size
         self.keys = [mx.zeros((slots, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
         self.values = [mx.zeros((slots, num_kv_heads, v_head_dim or head_dim), dtype)
                        for _ in range(num_layers)]
@@ -35,7 +38,7 @@ class KVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks
+        return self.nbytes // (self.num_blocks + 1)
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values

@@ -1,0 +1,77 @@
+"""Pure-decode steps through `mx.compile`.
+
+A decode step is host-bound: building the model's graph in Python and encoding a few
+hundred small kernels takes longer than the device spends running them. Compiled, the
+forward pass is traced once per input shape and replayed, and its elementwise chains
+are fused into fewer kernels. Shapes are bucketed so that a handful of traces serve
+every batch: the batch is padded to a power of two, and the block tables to a
+power-of-two width when the backend reads each context in place (padding costs it
+nothing), else to a multiple of `GATHER_WIDTH_STEP` blocks, since a gathering backend
+reads every padded block. Padding rows write their K/V into the pool's scratch slot and
+attend one key; their logits are dropped. The KV pool is the compiled function's
+state, so its scatter updates stay in place: the pool is not copied per step.
+"""
+
+import itertools
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .attention.metadata import AttentionMetadata, GroupMetadata, bucket
+from .kv.paged_cache import KVPool, StepContext
+
+MIN_WIDTH = 4          # block-table width of the smallest bucket
+GATHER_WIDTH_STEP = 8
+
+
+class DecodeGraph:
+    """`logits_fn(inputs (B, 1)) -> (B, V)` runs the model with `ctx.meta` as its
+    attention metadata; this calls it compiled, on padded decode batches."""
+
+    def __init__(self, logits_fn: Callable[[mx.array], mx.array], ctx: StepContext, pool: KVPool,
+                 padding_free: bool):
+        self._logits_fn = logits_fn
+        self.padding_free = padding_free
+        self.ctx = ctx
+        self.block_size = pool.block_size
+        self.scratch_slot = pool.scratch_slot
+        state = [pool.keys, pool.values]
+        self._fn = mx.compile(self._trace, inputs=state, outputs=state)
+        self.buckets: set[tuple[int, int]] = set()   # (batch, width) shapes traced so far
+
+    def _trace(self, tokens, positions, slots, tables, context_lens):
+        b, width = tables.shape
+        keys = mx.arange(width * self.block_size)
+        group = GroupMetadata(
+            row_start=0, row_end=b, block_tables=tables, query_pos=positions[:, None],
+            context_lens=context_lens, max_context_len=width * self.block_size,
+            mask=(keys[None, :] <= positions[:, None])[:, None, None, :])
+        self.ctx.meta = AttentionMetadata(positions, slots, [group], self.block_size)
+        return self._logits_fn(tokens[:, None])
+
+    def __call__(self, tokens: mx.array, tables: list[list[int]], positions: list[int]) -> mx.array:
+        """One decode token per sequence: `tokens` (B,) the inputs, `tables` each
+        sequence's block ids, `positions` where each input sits. Returns lazy (B, V)
+        logits."""
+        b, bs = len(tables), self.block_size
+        bp = bucket(b, 1)
+        widths = np.fromiter(map(len, tables), dtype=np.int64, count=b)
+        width = int(widths.max())
+        if self.padding_free:
+            width = bucket(width, MIN_WIDTH)
+        else:
+            width = -(-width // GATHER_WIDTH_STEP) * GATHER_WIDTH_STEP
+        bt = np.zeros((bp, width), dtype=np.int32)
+        bt[:b][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
+        pos = np.zeros(bp, dtype=np.int32)
+        pos[:b] = positions
+        slots = np.full(bp, self.scratch_slot, dtype=np.int32)
+        slots[:b] = bt[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
+        ctx = np.ones(bp, dtype=np.int32)
+        ctx[:b] = pos[:b] + 1
+        if bp > b:
+            tokens = mx.concatenate([tokens, mx.zeros((bp - b,), dtype=tokens.dtype)])
+        logits = self._fn(tokens, mx.array(pos), mx.array(slots), mx.array(bt), mx.array(ctx))
+        self.buckets.add((bp, width))
+        return logits if bp == b else logits[:b]
