@@ -38,6 +38,9 @@ LLAMA_1B = dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, voca
                 intermediate=8192, dtype="bfloat16", context=8192)
 
 
+COMPILE = {"auto": None, "on": True, "off": False}
+
+
 def resolve_model(name: str) -> str:
     if name == "default":
         return str(default_model_path())
@@ -242,6 +245,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
+                    help="decode steps through mx.compile (auto: on a GPU)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median is reported")
     ap.add_argument("--single-stream", action="store_true",
                     help="also compare one request's decode with mlx-lm's generate_step")
@@ -254,7 +259,8 @@ def main(argv=None):
     path = resolve_model(args.model)
     top = max(args.streams)
     cfg = dict(model=path, max_num_seqs=max(top, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), attention_backend=args.attention_backend)
+               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), attention_backend=args.attention_backend,
+               compile_decode=COMPILE[args.compile_decode])
     engines = {}
     if "continuous" in args.systems:
         engines["continuous"] = LLMEngine(EngineConfig(**cfg))
@@ -324,7 +330,8 @@ def main(argv=None):
             "mlx": mx.__version__, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "fixed": args.fixed, "requests_per_stream": args.requests_per_stream,
             "repeats": args.repeats, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "attention_backend": next(iter(engines.values())).runner.attention_backend if engines else None}
+            "attention_backend": next(iter(engines.values())).runner.attention_backend if engines else None,
+            "compile_decode": any(e.runner.decode_graph is not None for e in engines.values())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta.update(copy_bandwidth_bytes_s=bandwidth, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "single_stream": single}, indent=2))

@@ -18,7 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_continuous_vs_static import RESULTS, resolve_model  # noqa: E402
+from bench.bench_continuous_vs_static import COMPILE, RESULTS, resolve_model  # noqa: E402
+import mlx.core as mx  # noqa: E402
+
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from runtime.model_runner import ModelRunner  # noqa: E402
 
@@ -48,10 +50,17 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
     prof = cProfile.Profile() if use_cprofile else None
     if prof:
         prof.enable()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - t0
+    mx.synchronize()
+    # A step that copied the pool instead of updating it in place would need a
+    # second buffer of a whole layer's pool array.
+    extra = mx.get_peak_memory() - active
     if prof:
         prof.disable()
     engine.runner.collect = orig
@@ -60,7 +69,8 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
     while engine.has_unfinished_requests():
         engine.step()
     row = {"batch": batch, "step_ms": wall / steps * 1e3, "wait_ms": waited[0] / steps * 1e3,
-           "host_ms": (wall - waited[0]) / steps * 1e3, "tok_s": batch * steps / wall}
+           "host_ms": (wall - waited[0]) / steps * 1e3, "tok_s": batch * steps / wall,
+           "peak_over_active_mb": extra / 2**20, "pool_layer_array_mb": engine.runner.pool.keys[0].nbytes / 2**20}
     if prof:
         stats = pstats.Stats(prof)
         stats.sort_stats("tottime")
@@ -77,23 +87,29 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sync", action="store_true", help="turn off async scheduling")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
+                    help="decode steps through mx.compile (auto: on a GPU)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "step_profile.json"))
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=resolve_model(args.model), max_num_seqs=max(args.batch),
                                     max_num_batched_tokens=8192, async_scheduling=not args.sync,
                                     kv_cache_memory_bytes=8 << 30,
-                                    attention_backend=args.attention_backend))
+                                    attention_backend=args.attention_backend,
+                                    compile_decode=COMPILE[args.compile_decode]))
     print("attention backend:", engine.runner.attention_backend)
     rows = [profile(engine, b, args.prompt_len, args.steps, args.cprofile) for b in [args.batch[0]] + args.batch]
     rows = rows[1:]   # the first pass warms up kernels
-    print(f"{'batch':>6} | {'step ms':>8} | {'device wait ms':>14} | {'host ms':>8} | {'tok/s':>9}")
+    print(f"{'batch':>6} | {'step ms':>8} | {'device wait ms':>14} | {'host ms':>8} | {'tok/s':>9} | "
+          f"{'peak over active MiB':>20} (pool layer array {rows[0]['pool_layer_array_mb']:.0f} MiB)")
     for r in rows:
-        print(f"{r['batch']:>6} | {r['step_ms']:>8.2f} | {r['wait_ms']:>14.2f} | {r['host_ms']:>8.2f} | {r['tok_s']:>9.1f}")
+        print(f"{r['batch']:>6} | {r['step_ms']:>8.2f} | {r['wait_ms']:>14.2f} | {r['host_ms']:>8.2f} | "
+              f"{r['tok_s']:>9.1f} | {r['peak_over_active_mb']:>20.1f}")
         for name, ms in r.get("top", []):
             print(f"{'':>8}{ms:8.3f} ms  {name}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "sync": args.sync,
+                                          "compile_decode": engine.runner.decode_graph is not None,
                                           "attention_backend": engine.runner.attention_backend,
                                           "rows": rows}, indent=2))
 
