@@ -58,6 +58,11 @@ class AppArgs(BaseModel):
         50.0, ge=0, description="after a stream's first chunk, at most one chunk per interval per "
                                 "request (the last at once): each chunk costs a Ray message through "
                                 "replica, ingress and proxy; 0 streams every engine step")
+    max_stream_chunks_per_s: float = Field(
+        1000.0, ge=0, description="cap on the chunks a replica streams per second, all requests "
+                                  "together: with many live streams each one's interval grows to "
+                                  "streams / cap, since per-chunk Ray messages otherwise slow the "
+                                  "engine; 0 for no cap")
 
     pin_cpus: Optional[int] = Field(
         None, ge=1, description="pin each LLMServer's engine thread (and MLX's threads) to this "
@@ -103,4 +108,5 @@ def build_app(args: AppArgs) -> serve.Application:
     }
     server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress))
-    return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3, args.pin_cpus), settings)
+    return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3, args.pin_cpus,
+                                   args.max_stream_chunks_per_s), settings)

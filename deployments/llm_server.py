@@ -50,7 +50,7 @@ def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
 
 class LLMServer:
     def __init__(self, engine_config: dict, stream_interval_s: float = 0.0,
-                 pin_cpus: int | None = None):
+                 pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0):
         rank = 0
         try:
             from ray import serve
@@ -68,6 +68,7 @@ class LLMServer:
                          pin_current_thread(cpus))
         self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start)
         self.stream_interval_s = stream_interval_s
+        self.max_stream_chunks_per_s = max_stream_chunks_per_s
         self._ids = itertools.count()
         log.info("LLMServer %s ready: %s", self.replica_id, engine_config.get("model"))
 
@@ -78,7 +79,8 @@ class LLMServer:
             async for out in self.engine.generate(None, params, request_id,
                                                   prompt_token_ids=prompt_token_ids,
                                                   priority=priority, cache_salt=cache_salt,
-                                                  stream_interval_s=self.stream_interval_s):
+                                                  stream_interval_s=self.stream_interval_s,
+                                                  max_chunks_per_s=self.max_stream_chunks_per_s):
                 if out.finished:
                     out.replica_id = self.replica_id
                     out.engine_stats = self.stats()

@@ -54,6 +54,7 @@ class AsyncEngine:
         self._stats: dict = {}
         self._hashes: list[bytes] = []
         self._hashes_at = 0.0
+        self.live_streams = 0   # generate() calls in progress
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
@@ -78,14 +79,16 @@ class AsyncEngine:
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       stream_interval_s: float = 0.0,
+                       max_chunks_per_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Yield a `RequestOutput` whenever the request has new tokens; the last one has
         `finished=True`. Invalid input raises the engine's typed error on first iteration.
 
         Outputs that pile up while the caller is busy come merged into one. With
         `stream_interval_s`, after the first output at most one merged output is yielded
         per interval (the final one at once): fewer, larger chunks for transports that
-        pay per message."""
+        pay per message. `max_chunks_per_s` caps the chunks of all live streams together:
+        the interval grows to `live streams / max_chunks_per_s` when that is longer."""
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
@@ -94,13 +97,17 @@ class AsyncEngine:
             priority=priority, cache_salt=cache_salt)))
         loop = waiter.loop
         finished, last_yield = False, None
+        self.live_streams += 1
         try:
             while True:
                 item = await waiter.queue.get()
+                interval = stream_interval_s
+                if max_chunks_per_s > 0:
+                    interval = max(interval, self.live_streams / max_chunks_per_s)
                 while not isinstance(item, BaseException) and not item.finished:
                     if not waiter.queue.empty():
                         newer = waiter.queue.get_nowait()
-                    elif last_yield is not None and (wait := last_yield + stream_interval_s - loop.time()) > 0:
+                    elif last_yield is not None and (wait := last_yield + interval - loop.time()) > 0:
                         try:
                             newer = await asyncio.wait_for(waiter.queue.get(), wait)
                         except asyncio.TimeoutError:
@@ -117,6 +124,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self.live_streams -= 1
             if not finished:
                 self._commands.put(("abort", request_id, None, None))
 

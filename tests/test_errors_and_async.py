@@ -99,14 +99,17 @@ def test_stream_interval_merges_outputs_without_losing_tokens(async_engine, engi
     deltas still add up to exactly the tokens and text of an unmerged run."""
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
-    async def run(interval):
-        return [o async for o in async_engine.generate("The baker", p, stream_interval_s=interval)]
+    async def run(interval, cap=0.0):
+        return [o async for o in async_engine.generate("The baker", p, stream_interval_s=interval,
+                                                       max_chunks_per_s=cap)]
 
     merged, plain = asyncio.run(run(60.0)), asyncio.run(run(0.0))
+    capped = asyncio.run(run(0.0, cap=1 / 60))   # one live stream at 1/60 chunk/s: a 60 s interval
     want = engine.generate(["The baker"], p)[0].outputs[0]
-    assert len(merged) == 2 and len(plain) > 2
+    assert len(merged) == 2 and len(capped) == 2 and len(plain) > 2
     assert len(merged[0].outputs[0].delta_token_ids) == 1
-    for outs in (merged, plain):
+    assert async_engine.live_streams == 0
+    for outs in (merged, capped, plain):
         assert [t for o in outs for t in o.outputs[0].delta_token_ids] == want.token_ids
         assert "".join(o.outputs[0].delta_text for o in outs) == want.text
         assert outs[-1].finished and outs[-1].outputs[0].token_ids == want.token_ids
