@@ -175,7 +175,7 @@ class ModelRunner:
 
         if atol is None:
             # Wrong attention is off by O(1). Half precision rounds to a few percent;
-            # float32 to ~1e-3 where matmuls run in TF32 (CUDA).
+            # float32 to ~1e-3 where MLX runs its matmuls in TF32 (CUDA, M5-class GPUs).
             atol = 1e-2 if self.pool.keys[0].dtype == mx.float32 else 6e-2
         probe = [1, 2, 3]
         ref = self.model(mx.array([probe]), cache=make_prompt_cache(self.model))[0].astype(mx.float32)

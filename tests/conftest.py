@@ -7,6 +7,9 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Full float32 matmuls where MLX would use TF32 (CUDA, M5-class Apple GPUs): the
+# tolerances below compare float32 paths, which TF32 rounding exceeds by ~10x.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx  # noqa: E402
 
