@@ -246,7 +246,7 @@ def main(argv=None):
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
-                    help="decode steps through mx.compile (auto: on a GPU)")
+                    help="decode steps through mx.compile (auto: with the CUDA kernel)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median is reported")
     ap.add_argument("--single-stream", action="store_true",
                     help="also compare one request's decode with mlx-lm's generate_step")

@@ -88,7 +88,7 @@ def main(argv=None):
     ap.add_argument("--sync", action="store_true", help="turn off async scheduling")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto",
-                    help="decode steps through mx.compile (auto: on a GPU)")
+                    help="decode steps through mx.compile (auto: with the CUDA kernel)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "step_profile.json"))
     args = ap.parse_args(argv)

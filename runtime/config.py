@@ -14,7 +14,7 @@ class EngineConfig:
     (tests use it to force preemption). `async_scheduling` queues step N+1 on the device
     before step N's tokens are read back (mlx-lm's `mx.async_eval` pipelining).
     `compile_decode` runs decode-only steps through `mx.compile` (decode_graph.py);
-    None turns it on where it pays: on a GPU, not on the CPU.
+    None turns it on where it was measured to pay: with the fused CUDA kernel.
     """
 
     model: str = str(default_model_path())

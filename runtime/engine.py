@@ -59,11 +59,8 @@ class LLMEngine:
         per_block = kv_bytes_per_block(num_layers, kv_heads, head_dim, dtype.size, config.block_size)
         self.num_blocks = self._num_blocks(per_block)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        compile_decode = config.compile_decode
-        if compile_decode is None:
-            compile_decode = mx.default_device() == mx.gpu
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
-                                  config.attention_backend, compile_decode)
+                                  config.attention_backend, config.compile_decode)
         self.runner.verify()
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.requests: dict[str, _Request] = {}
