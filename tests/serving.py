@@ -30,9 +30,24 @@ def serve_env() -> dict:
 
 
 class ServeRun:
-    """`serve run CONFIG` in its own process group; `base_urls[app]` once ready."""
+    """`serve run CONFIG` in its own process group; `base_urls[app]` once ready.
+
+    The free port is picked before Ray starts, and Ray's own workers can take it in
+    between; the proxy then fails to bind and `serve run` exits. That start is retried
+    on a new port."""
+
+    ATTEMPTS = 3
 
     def __init__(self, applications: list[dict], timeout: float = 180.0):
+        for attempt in range(self.ATTEMPTS):
+            try:
+                self._start(applications, timeout)
+                return
+            except RuntimeError as e:
+                if "Failed to bind to address" not in str(e) or attempt == self.ATTEMPTS - 1:
+                    raise
+
+    def _start(self, applications: list[dict], timeout: float) -> None:
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
         cfg = {"proxy_location": "HeadOnly",
@@ -50,6 +65,7 @@ class ServeRun:
         pending = set(self.urls.values())
         while pending and time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.log.close()
                 raise RuntimeError(f"serve run exited: {self.tail()}")
             for url in list(pending):
                 try:
@@ -64,7 +80,8 @@ class ServeRun:
         self.startup_s = time.monotonic() - t0
 
     def tail(self, n: int = 4000) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return (Path(self.dir) / "serve.log").read_text()[-n:]
 
     def stop(self) -> None:
@@ -75,7 +92,8 @@ class ServeRun:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 def metric(text: str, name: str) -> float | None:
