@@ -151,9 +151,16 @@ class OpenAIIngress:
             raise HTTPError(503, "the server is overloaded; retry shortly", type_="server_error",
                             code="overloaded", headers={"Retry-After": str(self.s["retry_after_s"])})
         if isinstance(first, dict) and "error" in first:
-            e = first["error"]
-            raise HTTPError(400, e["message"], param=e.get("param"), code=e.get("code"))
+            raise self._item_error(first["error"])
         return first, gen
+
+    def _item_error(self, e: dict) -> HTTPError:
+        """The HTTP error for an `{"error": ...}` item of the replica's stream: 400 for a
+        bad request, 503 with Retry-After for a request a failed engine step aborted."""
+        if e.get("type") == "invalid_request_error":
+            return HTTPError(400, e["message"], param=e.get("param"), code=e.get("code"))
+        return HTTPError(503, e["message"], type_="server_error", code=e.get("code"),
+                         headers={"Retry-After": str(self.s["retry_after_s"])})
 
     # -- HTTP entry point -----------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
@@ -312,7 +319,7 @@ class OpenAIIngress:
         for c in opening:
             yield {**base, "choices": [c]}
         last = None
-        async for out in _chain(first, gen):
+        async for out in self._chain(first, gen):
             last = out
             timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
             for o in out.outputs:
@@ -325,13 +332,30 @@ class OpenAIIngress:
     async def _drain(self, first, gen):
         """Collect a non-streamed request; returns its final output."""
         timer, last = RequestTimer(self.metrics), None
-        async for out in _chain(first, gen):
+        async for out in self._chain(first, gen):
             timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
             last = out
         self._finish(timer, last)
         return last
 
     # -- helpers -----------------------------------------------------------------------
+    async def _chain(self, first, gen):
+        """The first item, then the rest; an error item raises its HTTP error. Leaving
+        early (the client went away) cancels the replica's stream, which aborts the
+        engine request and frees its blocks."""
+        done = False
+        try:
+            yield first
+            if not getattr(first, "finished", False):
+                async for item in gen:
+                    if isinstance(item, dict) and "error" in item:
+                        raise self._item_error(item["error"])
+                    yield item
+            done = True
+        finally:
+            if not done:
+                gen.cancel()
+
     def _finish(self, timer: RequestTimer, out) -> None:
         if out is None:
             return
@@ -388,19 +412,6 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
-async def _chain(first, gen):
-    """The first item, then the rest. Leaving early (the client went away) cancels the
-    replica's stream, which aborts the engine request and frees its blocks."""
-    done = False
-    try:
-        yield first
-        if not getattr(first, "finished", False):
-            async for item in gen:
-                yield item
-        done = True
-    finally:
-        if not done:
-            gen.cancel()
 
 
 def _sse(events) -> StreamingResponse:

@@ -2,7 +2,8 @@
 
 It loads the model in its constructor and streams `RequestOutput`s to the ingress. A
 bad request comes back as one `{"error": ...}` item rather than an exception, so the
-ingress can answer 400 before it starts a stream.
+ingress can answer 400 before it starts a stream; so does a request aborted by a failed
+engine step (`server_error`, which the ingress answers 503 or ends the stream with).
 """
 
 import itertools
@@ -12,7 +13,7 @@ import threading
 import uuid
 
 from runtime import AsyncEngine, EngineConfig, SamplingParams
-from runtime.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from runtime.errors import EngineDeadError, EngineStepError, InvalidRequestError, PromptTooLongError
 
 log = logging.getLogger("ray.serve")
 
@@ -20,6 +21,9 @@ ROUTING_HASH_LIMIT = 4096   # block hashes a replica reports to the router, most
 
 
 def error_item(e: Exception) -> dict:
+    if isinstance(e, EngineStepError):
+        return {"error": {"message": str(e), "type": "server_error", "param": None,
+                          "code": "engine_step_failed"}}
     code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
     return {"error": {"message": str(e), "type": "invalid_request_error",
                       "param": getattr(e, "param", None), "code": code}}
@@ -85,7 +89,7 @@ class LLMServer:
                     out.replica_id = self.replica_id
                     out.engine_stats = self.stats()
                 yield out
-        except InvalidRequestError as e:
+        except (InvalidRequestError, EngineStepError) as e:
             yield error_item(e)
 
     def model_info(self) -> dict:

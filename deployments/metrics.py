@@ -39,6 +39,7 @@ class _ReplicaStats:
         "prefix_cache_query_requests": ("prefix_cache_queries", "Prefix-cache lookups."),
         "prefix_cache_hit_requests": ("prefix_cache_hits", "Lookups that hit at least one block."),
         "num_preemptions": ("preemptions", "Sequences preempted for lack of KV blocks."),
+        "num_step_failures": ("step_failures", "Engine steps that raised; their requests were aborted."),
     }
 
     PER_REPLICA = {

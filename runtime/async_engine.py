@@ -3,8 +3,10 @@
 The thread owns all MLX work: it builds the `LLMEngine`, and runs its step loop.
 Callers talk to it through a command queue; outputs come back to each caller's event
 loop. Cancelling a `generate()` iterator (a client went away) aborts the request and
-frees its blocks. If the loop dies, every waiter gets `EngineDeadError` and
-`check_health()` raises, so the replica can be restarted.
+frees its blocks. A step that raises (out of device memory, say) fails the requests it
+was running with `EngineStepError` and the loop goes on; if steps keep failing, or the
+loop dies otherwise, every waiter gets `EngineDeadError` and `check_health()` raises,
+so the replica can be restarted.
 """
 
 import asyncio
@@ -18,13 +20,16 @@ from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
 from .engine import LLMEngine
-from .errors import EngineDeadError, RequestAbortedError
+from .errors import EngineDeadError, EngineStepError, RequestAbortedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 HASH_SNAPSHOT_PERIOD_S = 0.5
 HASH_SNAPSHOT_LIMIT = 8192
+# A step that fails aborts its requests and the engine carries on; this many failures
+# with no tokens delivered between them mean the engine cannot work: the loop stops.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 _ids = itertools.count()
 
 
@@ -161,12 +166,24 @@ class AsyncEngine:
             self._ready.set()
             return
         self._ready.set()
+        failures = 0
         try:
             while not self._stopping:
                 busy = self.engine.has_unfinished_requests()
                 self._drain(block=not busy)
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    try:
+                        outputs = self.engine.step()
+                        if outputs:   # a step only launched proves nothing yet
+                            failures = 0
+                    except Exception as e:
+                        failures += 1
+                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                            raise
+                        log.exception("engine step failed; aborting the requests it ran")
+                        self._fail(self.engine.recover(), e)
+                        outputs = []
+                    self._dispatch(outputs)
                 self._stats = self.engine.stats()
                 if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
                     self._hashes = self.engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)
@@ -210,6 +227,13 @@ class AsyncEngine:
             self._waiters.pop(request_id, None)
         elif kind == "stop":
             self._stopping = True
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        for rid in request_ids:
+            w = self._waiters.pop(rid, None)
+            if w is not None:
+                w.put(EngineStepError(f"the engine step running this request failed ({error!r}); "
+                                      "it was aborted and its KV blocks freed"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """One wake-up per event loop per step, not one per request: a thread-safe

@@ -22,7 +22,7 @@ from .models.loader import activation_dtype, kv_geometry, load, max_context
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import PLACEHOLDER, Sequence
+from .sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self._inflight: PendingStep | None = None
-        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
+                          "step_failures": 0}
         mx.random.seed(config.seed)
         # The model, tokenizer and pool bookkeeping live as long as the process; left in
         # the collector's generations, every full collection walks them again (about
@@ -134,6 +135,22 @@ class LLMEngine:
         for s in req.seqs:
             self.scheduler.finish(s, "abort")
         return True
+
+    def recover(self) -> list[str]:
+        """After a step raised (out of device memory, say): abort every request that
+        holds KV state, drop the prefix cache and write a fresh pool, since the failed
+        step may have left the pool unevaluable. Waiting requests stay queued. Returns
+        the ids of the aborted requests."""
+        self._inflight = None
+        failed = [rid for rid, req in self.requests.items()
+                  if any(s.status is SequenceStatus.RUNNING for s in req.seqs)]
+        for rid in failed:
+            self.abort(rid)
+        self.kv.cache.reset()
+        self.runner.pool.reset()
+        mx.clear_cache()
+        self._counters["step_failures"] += 1
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -280,6 +297,7 @@ class LLMEngine:
             "prompt_tokens": self._counters["prompt_tokens"],
             "generation_tokens": self._counters["generation_tokens"],
             "requests_finished": self._counters["requests_finished"],
+            "step_failures": self._counters["step_failures"],
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.attention_backend,
             "device_memory_active_bytes": mx.get_active_memory(),

@@ -49,6 +49,12 @@ class UnsupportedModelError(EngineError):
     """The model's architecture cannot run on the paged KV cache (yet)."""
 
 
+class EngineStepError(EngineError):
+    """A step failed (out of device memory, say). The requests it was running were
+    aborted with this error and their KV blocks freed; the engine carries on with the
+    rest, so a retry can succeed."""
+
+
 class EngineDeadError(EngineError):
     """The engine loop stopped on an unexpected error; the replica must restart."""
 

@@ -7,8 +7,9 @@ import shutil
 import pytest
 
 from runtime import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from runtime.errors import (EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError,
-                            TokenOutOfVocabularyError, UnsupportedModelError, DuplicateRequestError)
+from runtime.errors import (EmptyPromptError, EngineDeadError, EngineError, EngineStepError,
+                            InvalidSamplingParamsError, PromptTooLongError, TokenOutOfVocabularyError,
+                            UnsupportedModelError, DuplicateRequestError)
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,88 @@ def test_async_many_concurrent(async_engine):
 
     outs = asyncio.run(run())
     assert all(o.finished and len(o.outputs[0].token_ids) <= 8 for o in outs)
+
+
+class _FailingCollect:
+    """Fault injection for device errors (out of memory on Metal or CUDA), which cannot
+    be produced on the CPU: reading a step's sampled tokens raises what MLX raises
+    then, the next `times` reads."""
+
+    def __init__(self, runner, times: int):
+        self.orig, self.left = runner.collect, times
+
+    def __call__(self, pending):
+        if self.left > 0:
+            self.left -= 1
+            raise RuntimeError("[metal::malloc] Resource limit exceeded")
+        return self.orig(pending)
+
+
+def test_failed_step_aborts_its_requests_and_the_engine_goes_on(default_model, engine):
+    """The running request gets `EngineStepError`; the waiting one is served with the
+    tokens it would have had, and no block is left held."""
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=128, max_num_seqs=1))
+    runner = eng.engine.runner
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def consume(prompt, arm: bool):
+        outs = []
+        try:
+            async for o in eng.generate(prompt, p):
+                outs.append(o)
+                if arm and len(outs) == 2:
+                    runner.collect = _FailingCollect(runner, 1)
+        except EngineStepError as e:
+            return e
+        return outs[-1]
+
+    async def run():
+        return await asyncio.gather(consume("The baker", True), consume("A river", False))
+
+    try:
+        failed, served = asyncio.run(run())
+        assert isinstance(failed, EngineStepError) and "Resource limit" in str(failed)
+        want = engine.generate(["A river"], p)[0].outputs[0]
+        assert served.finished and served.outputs[0].token_ids == want.token_ids
+        eng.check_health()
+        s = eng.stats()
+        assert s["step_failures"] == 1 and s["num_blocks_held_by_requests"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_steps_that_keep_failing_stop_the_engine(default_model):
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
+    eng.engine.runner.collect = _FailingCollect(eng.engine.runner, 100)
+
+    async def run(i):
+        try:
+            async for _ in eng.generate(f"Question {i}", SamplingParams(max_tokens=4)):
+                pass
+        except EngineError as e:
+            return e
+
+    try:
+        errors = [asyncio.run(run(i)) for i in range(3)]
+        assert [type(e) for e in errors] == [EngineStepError, EngineStepError, EngineDeadError]
+        with pytest.raises(EngineDeadError):
+            eng.check_health()
+    finally:
+        eng.shutdown()
+
+
+def test_ingress_answers_a_failed_step_with_503():
+    """The replica's error item for an aborted request becomes 503 with Retry-After (a
+    retry can succeed); a bad request stays 400."""
+    import json as _json
+
+    from deployments.ingress import OpenAIIngress
+    from deployments.llm_server import error_item
+
+    ingress = OpenAIIngress.__new__(OpenAIIngress)   # only its settings are read
+    ingress.s = {"retry_after_s": 2}
+    failed = ingress._item_error(error_item(EngineStepError("step failed"))["error"]).response()
+    assert failed.status_code == 503 and failed.headers["retry-after"] == "2"
+    assert _json.loads(failed.body)["error"]["type"] == "server_error"
+    bad = ingress._item_error(error_item(EmptyPromptError())["error"]).response()
+    assert bad.status_code == 400 and _json.loads(bad.body)["error"]["param"] == "prompt"

@@ -244,6 +244,7 @@ def test_metrics_after_traffic(server, client):
     assert metric(text, "prefix_cache_queries_total") >= metric(text, "prefix_cache_hits_total")
     assert metric(text, "generation_tokens_total") > 0
     assert metric(text, "num_preemptions_total") is not None
+    assert metric(text, "num_step_failures_total") == 0
     assert metric(text, "kv_cache_usage_perc") is not None
     assert metric(text, "num_requests_waiting") is not None
 

@@ -43,6 +43,14 @@ class KVPool:
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
+    def reset(self) -> None:
+        """Fresh zeroed arrays in place of the current ones, in the same lists: after a
+        failed step they may hold an unevaluable graph."""
+        for arrays in (self.keys, self.values):
+            for i, a in enumerate(arrays):
+                arrays[i] = mx.zeros(a.shape, a.dtype)
+        mx.eval(self.keys, self.values)
+
 
 @dataclass
 class StepContext:
