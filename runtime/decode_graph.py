@@ -36,9 +36,10 @@ class DecodeGraph:
         self.ctx = ctx
         self.block_size = pool.block_size
         self.scratch_slot = pool.scratch_slot
-        state = [pool.keys, pool.values]
-        self._fn = mx.compile(self._trace, inputs=state, outputs=state)
-        self.buckets: set[tuple[int, int]] = set()   # (batch, width) shapes traced so far
+        self._state = [pool.keys, pool.values]
+        self._fn = mx.compile(self._trace, inputs=self._state, outputs=self._state)
+        self.traced: set[tuple[int, int]] = set()   # (batch, width) buckets traced so far
+        self.used: set[tuple[int, int]] = set()     # buckets steps have run in
 
     def _trace(self, tokens, positions, slots, tables, context_lens):
         b, width = tables.shape
@@ -50,6 +51,33 @@ class DecodeGraph:
         self.ctx.meta = AttentionMetadata(positions, slots, [group], self.block_size)
         return self._logits_fn(tokens[:, None])
 
+    def _width(self, blocks: int) -> int:
+        if self.padding_free:
+            return bucket(blocks, MIN_WIDTH)
+        return -(-blocks // GATHER_WIDTH_STEP) * GATHER_WIDTH_STEP
+
+    def warm_up(self, max_batch: int, max_blocks: int) -> int:
+        """Trace the buckets a batch of up to `max_batch` sequences of up to
+        `max_blocks` blocks can use, so that steps do not pay a trace (and, on a GPU,
+        the compilation of its fused kernels) while serving: every width with a
+        padding-free backend (a handful of powers of two), the smallest otherwise (a
+        width every 8 blocks would be too many to trace up front). Every row is
+        padding: only the scratch slot is written. Returns the buckets traced."""
+        widths = sorted({self._width(n) for n in range(1, max_blocks + 1)})
+        if not self.padding_free:
+            widths = widths[:1]
+        batches = sorted({bucket(b, 1) for b in range(1, max_batch + 1)})
+        for b in batches:
+            for w in widths:
+                if (b, w) in self.traced:
+                    continue
+                zeros = mx.zeros((b,), dtype=mx.int32)
+                logits = self._fn(zeros, zeros, mx.full((b,), self.scratch_slot, dtype=mx.int32),
+                                  mx.zeros((b, w), dtype=mx.int32), mx.ones((b,), dtype=mx.int32))
+                mx.eval(logits, self._state)
+                self.traced.add((b, w))
+        return len(batches) * len(widths)
+
     def __call__(self, tokens: mx.array, tables: list[list[int]], positions: list[int]) -> mx.array:
         """One decode token per sequence: `tokens` (B,) the inputs, `tables` each
         sequence's block ids, `positions` where each input sits. Returns lazy (B, V)
@@ -57,11 +85,7 @@ class DecodeGraph:
         b, bs = len(tables), self.block_size
         bp = bucket(b, 1)
         widths = np.fromiter(map(len, tables), dtype=np.int64, count=b)
-        width = int(widths.max())
-        if self.padding_free:
-            width = bucket(width, MIN_WIDTH)
-        else:
-            width = -(-width // GATHER_WIDTH_STEP) * GATHER_WIDTH_STEP
+        width = self._width(int(widths.max()))
         bt = np.zeros((bp, width), dtype=np.int32)
         bt[:b][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
         pos = np.zeros(bp, dtype=np.int32)
@@ -73,5 +97,6 @@ class DecodeGraph:
         if bp > b:
             tokens = mx.concatenate([tokens, mx.zeros((bp - b,), dtype=tokens.dtype)])
         logits = self._fn(tokens, mx.array(pos), mx.array(slots), mx.array(bt), mx.array(ctx))
-        self.buckets.add((bp, width))
+        self.traced.add((bp, width))
+        self.used.add((bp, width))
         return logits if bp == b else logits[:b]

@@ -7,6 +7,7 @@ it on a background thread for servers.
 import gc
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -62,6 +63,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
                                   config.attention_backend, config.compile_decode)
         self.runner.verify()
+        if self.runner.decode_graph is not None:
+            t = time.perf_counter()
+            n = self.runner.decode_graph.warm_up(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+            log.info("compiled decode: %d shape buckets traced in %.1f s", n, time.perf_counter() - t)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self._inflight: PendingStep | None = None

@@ -168,12 +168,14 @@ def test_shape_padded_prefill_matches(arch):
 
 
 def test_compiled_decode_matches(arch):
-    """Decode steps through `mx.compile` (on by default on a GPU), forced on here: batches
-    that grow and shrink pad to power-of-two buckets, with chunked prefill and
-    preemption around them, and still give mlx-lm's tokens and logprobs."""
+    """Decode steps through `mx.compile` (on by default with the CUDA kernel), forced on
+    here: batches that grow and shrink pad to power-of-two buckets, traced at start-up,
+    with chunked prefill and preemption around them, and still give mlx-lm's tokens
+    and logprobs."""
     name, path = arch
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=12, block_size=8,
                                     max_num_batched_tokens=24, max_num_seqs=8, compile_decode=True))
+    warm = set(engine.runner.decode_graph.traced)
     rng = random.Random(11)
     prompts = [_prompt(rng, rng.randrange(1, 30)) for _ in range(9)]
     outs, pending, steps = {}, list(enumerate(prompts)), 0
@@ -187,8 +189,9 @@ def test_compiled_decode_matches(arch):
                 outs[o.request_id] = o
         steps += 1
     graph = engine.runner.decode_graph
-    assert any(b & (b - 1) == 0 and b > 2 for b, _ in graph.buckets), graph.buckets
-    assert len(graph.buckets) > 2, "batches were meant to change size"
+    assert graph.used <= warm, "a step traced a bucket that start-up warm-up had not"
+    assert any(b & (b - 1) == 0 and b > 2 for b, _ in graph.used), graph.used
+    assert len(graph.used) > 2, "batches were meant to change size"
     assert engine.stats()["preemptions"] > 0
     assert engine.stats()["num_blocks_held_by_requests"] == 0
     for i, p in enumerate(prompts):
