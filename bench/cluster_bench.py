@@ -100,18 +100,25 @@ def families(n_families: int, prefix_blocks: int, per_family: int, seed: int = 0
     return prompts
 
 
-async def _run(url: str, prompts: list, concurrency: int, max_tokens: int) -> dict:
+async def _run(url: str, prompts: list, concurrency: int, max_tokens: int, stream: bool = True) -> dict:
+    """Send `prompts` with at most `concurrency` in flight. Unstreamed, a request costs
+    one response instead of a message per chunk, and TTFT is not measured."""
     ttfts, tokens = [], 0
     sem = asyncio.Semaphore(concurrency)
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
     async def one(cl, p):
         nonlocal tokens
         async with sem:
+            if not stream:
+                r = await cl.post(url + "/v1/completions", timeout=300, json={**body, "prompt": p})
+                assert r.status_code == 200, r.text
+                tokens += r.json()["usage"]["completion_tokens"]
+                return
             t = time.perf_counter()
             first = None
             async with cl.stream("POST", url + "/v1/completions", timeout=300, json={
-                    "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                    **body, "prompt": p, "stream": True, "stream_options": {"include_usage": True}}) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
@@ -126,13 +133,15 @@ async def _run(url: str, prompts: list, concurrency: int, max_tokens: int) -> di
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)) as cl:
         await asyncio.gather(*(one(cl, p) for p in prompts))
     wall = time.perf_counter() - t0
+    pct = (lambda q: float(np.percentile(ttfts, q))) if ttfts else (lambda q: None)
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
-            "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p95_s": float(np.percentile(ttfts, 95))}
+            "ttft_p50_s": pct(50), "ttft_p95_s": pct(95)}
 
 
-def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int = 8) -> dict:
+def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int = 8,
+                 stream: bool = True) -> dict:
     before = replica_metrics(url)
-    res = asyncio.run(_run(url, prompts, concurrency, max_tokens))
+    res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
     time.sleep(1.5)
     after = replica_metrics(url)
     q = h = 0.0
@@ -148,17 +157,24 @@ def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int 
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Three panels: aggregate throughput (1 vs 2 replicas), prefix-cache hit rate and
-    TTFT p50/p95 (prefix-aware vs default router)."""
+    """Three panels: aggregate throughput (1 vs 2 replicas, streamed and not), prefix-cache
+    hit rate and TTFT p50/p95 (prefix-aware vs default router)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
-    ax[0].bar(["1 replica", "2 replicas"], [result["replicas_1_output_tok_s"], result["replicas_2_output_tok_s"]],
-              color=["tab:gray", "tab:blue"])
+    runs = [("streamed", result)]
+    if "unstreamed" in result:
+        runs.append(("unstreamed", result["unstreamed"]))
+    x = np.arange(len(runs))
+    for i, (key, color) in enumerate((("replicas_1_output_tok_s", "tab:gray"), ("replicas_2_output_tok_s", "tab:blue"))):
+        ax[0].bar(x + (i - 0.5) * 0.38, [r[key] for _, r in runs], 0.38, color=color,
+                  label=("1 replica", "2 replicas")[i])
+    ax[0].set_xticks(x, [f"{name} ({r['throughput_ratio_2_vs_1']:.2f}x)" for name, r in runs])
     ax[0].set_ylabel("output tok/s")
-    ax[0].set_title(f"throughput ({result['throughput_ratio_2_vs_1']:.2f}x)")
+    ax[0].set_title("throughput, 1 vs 2 replicas")
+    ax[0].legend(fontsize=8)
     routers = ["prefix-aware", "default"]
     groups = [("2 replicas", result)]
     if "routing_3_replicas" in result:
@@ -207,6 +223,10 @@ def main(argv=None):
         run_workload(url + "/two", load[:32], 16, 16)
         one = run_workload(url + "/one", load[32:], concurrency=32, max_tokens=64)
         two = run_workload(url + "/two", load[32:], concurrency=32, max_tokens=64)
+        # The same requests unstreamed: Ray carries one message per request, not one per
+        # chunk, which shows how much of the CPU the streaming path takes from the engines.
+        one_ns = run_workload(url + "/one", load[32:], concurrency=32, max_tokens=64, stream=False)
+        two_ns = run_workload(url + "/two", load[32:], concurrency=32, max_tokens=64, stream=False)
         from ray import serve
         for name in ("one", "two"):          # free the simulated Macs
             serve.delete(name)
@@ -231,10 +251,13 @@ def main(argv=None):
         "prefix_router_ttft_p50_s": pre["ttft_p50_s"], "default_router_ttft_p50_s": dflt["ttft_p50_s"],
         "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
+        "unstreamed": {"replicas_1_output_tok_s": one_ns["output_tok_s"],
+                       "replicas_2_output_tok_s": two_ns["output_tok_s"],
+                       "throughput_ratio_2_vs_1": two_ns["output_tok_s"] / one_ns["output_tok_s"]},
         "routing_3_replicas": {
             "prefix_router_hit_rate": pre3["hit_rate"], "default_router_hit_rate": dflt3["hit_rate"],
             "prefix_router_ttft_p50_s": pre3["ttft_p50_s"], "default_router_ttft_p50_s": dflt3["ttft_p50_s"]},
-        "details": {"one": one, "two": two, "prefix": pre, "default": dflt, "prefix3": pre3, "default3": dflt3},
+        "details": {"one": one, "two": two, "one_unstreamed": one_ns, "two_unstreamed": two_ns, "prefix": pre, "default": dflt, "prefix3": pre3, "default3": dflt3},
         "note": ("simulated nodes share this machine's cores; for 1 vs 2 replicas each replica's "
                  "engine thread (and MLX's threads) is pinned to its own CPU (pin_cpus=1); Ray's "
                  "own processes and threads and the client are not pinned"),
@@ -244,7 +267,8 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(result, indent=2))
     plot(result, Path(args.out).with_suffix(".png"))
     print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "
-          f"({result['throughput_ratio_2_vs_1']:.2f}x)")
+          f"({result['throughput_ratio_2_vs_1']:.2f}x); unstreamed {one_ns['output_tok_s']:.0f} vs "
+          f"{two_ns['output_tok_s']:.0f} tok/s ({result['unstreamed']['throughput_ratio_2_vs_1']:.2f}x)")
     print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
           f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
     print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
