@@ -11,13 +11,23 @@ import logging
 import os
 import threading
 import uuid
+from dataclasses import replace
 
-from runtime import AsyncEngine, EngineConfig, SamplingParams
+from runtime import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from runtime.errors import EngineDeadError, EngineStepError, InvalidRequestError, PromptTooLongError
 
 log = logging.getLogger("ray.serve")
 
 ROUTING_HASH_LIMIT = 4096   # block hashes a replica reports to the router, most recent first
+
+
+def stream_delta(out: RequestOutput) -> RequestOutput:
+    """An output before the last, as the ingress reads it: its deltas. The cumulative
+    text, token ids and logprobs, and the prompt, would otherwise travel again with
+    every chunk (2.3 KB for a 512-token prompt and 100 tokens out, against 0.3 KB),
+    growing with the output."""
+    outputs = [replace(o, text="", token_ids=[], logprobs=None) for o in out.outputs]
+    return RequestOutput(out.request_id, None, [], outputs, out.finished, out.num_cached_tokens)
 
 
 def error_item(e: Exception) -> dict:
@@ -85,9 +95,11 @@ class LLMServer:
                                                   priority=priority, cache_salt=cache_salt,
                                                   stream_interval_s=self.stream_interval_s,
                                                   max_chunks_per_s=self.max_stream_chunks_per_s):
-                if out.finished:
-                    out.replica_id = self.replica_id
-                    out.engine_stats = self.stats()
+                if not out.finished:
+                    yield stream_delta(out)
+                    continue
+                out.replica_id = self.replica_id
+                out.engine_stats = self.stats()
                 yield out
         except (InvalidRequestError, EngineStepError) as e:
             yield error_item(e)
