@@ -412,8 +412,6 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
-
-
 def _sse(events) -> StreamingResponse:
     async def body():
         try:

@@ -12,6 +12,7 @@ import os
 import threading
 import uuid
 from dataclasses import replace
+from functools import partial
 
 from runtime import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from runtime.errors import EngineDeadError, EngineStepError, InvalidRequestError, PromptTooLongError
@@ -62,6 +63,11 @@ def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
     return {(rank * per_replica + i) % num_cpus for i in range(per_replica)}
 
 
+def _pin_engine_thread(rank: int, cpus: set[int]) -> None:
+    log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus),
+             pin_current_thread(cpus))
+
+
 class LLMServer:
     def __init__(self, engine_config: dict, stream_interval_s: float = 0.0,
                  pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0):
@@ -75,11 +81,7 @@ class LLMServer:
             self.replica_id = uuid.uuid4().hex[:8]
         on_start = None
         if pin_cpus:
-            cpus = rank_cpus(rank, pin_cpus, os.cpu_count() or 1)
-
-            def on_start():
-                log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus),
-                         pin_current_thread(cpus))
+            on_start = partial(_pin_engine_thread, rank, rank_cpus(rank, pin_cpus, os.cpu_count() or 1))
         self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start)
         self.stream_interval_s = stream_interval_s
         self.max_stream_chunks_per_s = max_stream_chunks_per_s

@@ -12,13 +12,12 @@ attend one key; their logits are dropped. The KV pool is the compiled function's
 state, so its scatter updates stay in place: the pool is not copied per step.
 """
 
-import itertools
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from .attention.metadata import AttentionMetadata, GroupMetadata, bucket
+from .attention.metadata import AttentionMetadata, GroupMetadata, bucket, causal_mask, padded_tables
 from .kv.paged_cache import KVPool, StepContext
 
 MIN_WIDTH = 4          # block-table width of the smallest bucket
@@ -43,11 +42,11 @@ class DecodeGraph:
 
     def _trace(self, tokens, positions, slots, tables, context_lens):
         b, width = tables.shape
-        keys = mx.arange(width * self.block_size)
+        query_pos = positions[:, None]
         group = GroupMetadata(
-            row_start=0, row_end=b, block_tables=tables, query_pos=positions[:, None],
+            row_start=0, row_end=b, block_tables=tables, query_pos=query_pos,
             context_lens=context_lens, max_context_len=width * self.block_size,
-            mask=(keys[None, :] <= positions[:, None])[:, None, None, :])
+            mask=causal_mask(query_pos, width, self.block_size))
         self.ctx.meta = AttentionMetadata(positions, slots, [group], self.block_size)
         return self._logits_fn(tokens[:, None])
 
@@ -86,8 +85,7 @@ class DecodeGraph:
         bp = bucket(b, 1)
         widths = np.fromiter(map(len, tables), dtype=np.int64, count=b)
         width = self._width(int(widths.max()))
-        bt = np.zeros((bp, width), dtype=np.int32)
-        bt[:b][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
+        bt = padded_tables(tables, widths, bp, width)
         pos = np.zeros(bp, dtype=np.int32)
         pos[:b] = positions
         slots = np.full(bp, self.scratch_slot, dtype=np.int32)

@@ -65,14 +65,14 @@ class ModelRunner:
         self.pad_prefill = cuda.available()
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
+        self.padding_free = self.attention_backend in PADDING_FREE
         # Measured to pay with the CUDA kernel; unmeasured with `gather` on Metal, and
         # slower on the CPU, so `None` turns it on only with a padding-free kernel.
         if compile_decode is None:
-            compile_decode = self.attention_backend in PADDING_FREE
+            compile_decode = self.padding_free
         self.decode_graph = None
         if compile_decode:
-            self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool,
-                                            padding_free=self.attention_backend in PADDING_FREE)
+            self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free)
 
     def _decode_logits(self, inputs: mx.array) -> mx.array:
         return self._logits(inputs, None, self._split_head)
@@ -120,7 +120,7 @@ class ModelRunner:
         if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows):
             return self.decode_graph(inputs, tables, starts)
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
-                                       split_decodes=self.attention_backend not in PADDING_FREE,
+                                       split_decodes=not self.padding_free,
                                        pad_prefill=self.pad_prefill)
         split = self._split_head if split_head is None else split_head
         rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)

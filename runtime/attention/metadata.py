@@ -78,6 +78,20 @@ def bucket(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def padded_tables(tables: list[list[int]], widths: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """(rows, width) int32 block tables: each sequence's blocks, then block 0; rows past
+    the sequences are all block 0."""
+    bt = np.zeros((rows, width), dtype=np.int32)
+    bt[:len(tables)][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
+    return bt
+
+
+def causal_mask(query_pos: mx.array, width: int, block_size: int) -> mx.array:
+    """(B, 1, Lq, width * block_size): true where the query at (b, q) may see key k."""
+    keys = mx.arange(width * block_size)
+    return (keys[None, None, :] <= query_pos[:, :, None])[:, None]
+
+
 def make_group(tables, starts, lengths, ctx, row0, block_size, pad: bool = False) -> GroupMetadata:
     """One group: sequences' block tables, first new positions, new-token counts and
     context lengths (a numpy array), its first packed row.
@@ -94,8 +108,7 @@ def make_group(tables, starts, lengths, ctx, row0, block_size, pad: bool = False
     rows_n, lq_n, width = n, lq, int(widths.max())
     if pad and lq > 1:
         rows_n, lq_n, width = bucket(n, 1), bucket(lq, 16), bucket(width, 4)
-    bt = np.zeros((rows_n, width), dtype=np.int32)
-    bt[:n][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
+    bt = padded_tables(tables, widths, rows_n, width)
     lens = np.asarray(lengths)
     valid = np.zeros((rows_n, lq_n), dtype=bool)
     valid[:n] = np.arange(lq_n)[None] < lens[:, None]
@@ -109,14 +122,13 @@ def make_group(tables, starts, lengths, ctx, row0, block_size, pad: bool = False
         out_rows = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))
         qrows = mx.array(q)
     qpos_m = mx.array(qpos)
-    keys = mx.arange(width * block_size)
     context = np.ones(rows_n, dtype=np.int32)
     context[:n] = ctx
     return GroupMetadata(
         row_start=row0, row_end=row0 + int(lens.sum()),
         block_tables=mx.array(bt), query_pos=qpos_m,
         context_lens=mx.array(context), max_context_len=int(ctx.max()),
-        mask=(keys[None, None, :] <= qpos_m[:, :, None])[:, None],
+        mask=causal_mask(qpos_m, width, block_size),
         query_rows=qrows, out_rows=out_rows,
     )
 

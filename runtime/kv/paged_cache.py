@@ -3,9 +3,8 @@
 `KVPool` preallocates one K and one V array per layer, shaped ((num_blocks + 1) *
 block_size, kv_heads, head_dim): a block is `block_size` consecutive slots. The extra
 block is scratch that no sequence owns: rows that pad a batch write their K/V there.
-New K/V
-are scattered into their slots in place (`pool[slots] = k`); attention reads them back
-through block tables, never concatenating per step.
+New K/V are scattered into their slots in place (`pool[slots] = k`); attention reads
+them back through block tables, never concatenating per step.
 
 A model sees a `PagedLayerCache` per layer. Its batch is the packed token rows of one
 step, shaped (T, 1): every token is its own batch row, so `offset` is the (T,) vector
