@@ -25,6 +25,17 @@ def test_auto_falls_back_to_gather_without_a_kernel():
     assert name == "gather" and "not available" in why
 
 
+def test_a_kernel_that_cannot_serve_the_model_is_refused_or_skipped():
+    """The CUDA kernel needs head_dim % 32 == 0: configured, that is an error; under
+    `auto`, gather serves the model (here on any device)."""
+    assert "multiple of 32" in cuda_backend.unsupported(4, 2, 16)
+    assert cuda_backend.unsupported(32, 8, 64) is None
+    with pytest.raises(ValueError, match="cannot serve this model"):
+        resolve_backend("cuda", 4, 2, 16, 16, mx.float32)
+    name, why = resolve_backend("auto", 4, 2, 16, 16, mx.float32)
+    assert name == "gather" and "cuda:" in why
+
+
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="unknown attention backend"):
         resolve_backend("flash9", 8, 2, 64, 16, mx.float32)
@@ -50,8 +61,8 @@ def test_cuda_self_check_passes():
 
 
 @needs_cuda
-def test_engine_on_cuda_backend_matches_mlx_lm(model_dirs):
-    engine = LLMEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64, attention_backend="cuda"))
+def test_engine_on_cuda_backend_matches_mlx_lm(default_model):
+    engine = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64, attention_backend="cuda"))
     prompts = [[5, 6, 7], list(range(10, 60)), [9] * 17]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -92,8 +103,9 @@ def test_decode_steps_write_the_pool_in_place(default_model, compile_decode):
     """KV writes update the pool in place. A step queued while the previous one still
     held the pool would copy each layer's whole pool array instead (MLX donates a
     buffer only when nothing queued holds it): device memory would peak a layer
-    array above what is live."""
-    engine = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=8192, max_num_seqs=16,
+    array above what is live. The pool is large (a layer array is 256 MiB) so that
+    a copy stands well clear of a step's transient buffers (tens of MiB on CUDA)."""
+    engine = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=65536, max_num_seqs=16,
                                     compile_decode=compile_decode))
     layer_bytes = engine.runner.pool.keys[0].nbytes
     for i in range(16):

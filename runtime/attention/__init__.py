@@ -24,6 +24,8 @@ AttendFn = Callable[..., mx.array]
 
 BACKENDS: dict[str, AttendFn] = {"gather": gather.attend_group, "cuda": cuda.attend_group}
 KERNEL_AVAILABLE: dict[str, Callable[[], bool]] = {"cuda": cuda.available}
+# Why a kernel cannot serve a model's (heads, kv_heads, head_dim), or None.
+KERNEL_UNSUPPORTED: dict[str, Callable[[int, int, int], str | None]] = {"cuda": cuda.unsupported}
 # Backends that read each sequence's own context in place, so a decode group of mixed
 # lengths costs them no padding and need not be split.
 PADDING_FREE = {"cuda"}
@@ -94,17 +96,25 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
     one, it matches `gather`, and it is faster on the model's geometry."""
     if name != "auto":
         get_backend(name)
+        if name in KERNEL_AVAILABLE and (why := _cannot_run(name, heads, kv_heads, head_dim)):
+            raise ValueError(f"attention backend {name!r} cannot serve this model: {why}")
         return name, "configured"
     reasons = []
-    for cand, avail in KERNEL_AVAILABLE.items():
-        if not avail():
-            reasons.append(f"{cand}: not available on {mx.default_device()}")
+    for cand in KERNEL_AVAILABLE:
+        if why := _cannot_run(cand, heads, kv_heads, head_dim):
+            reasons.append(f"{cand}: {why}")
             continue
         ok, why = check_backend(cand, heads, kv_heads, head_dim, block_size, dtype)
         reasons.append(why)
         if ok:
             return cand, why
     return "gather", "; ".join(reasons)
+
+
+def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    if not KERNEL_AVAILABLE[name]():
+        return f"not available on {mx.default_device()}"
+    return KERNEL_UNSUPPORTED[name](heads, kv_heads, head_dim)
 
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,

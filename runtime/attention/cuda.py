@@ -130,6 +130,17 @@ def available() -> bool:
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
+def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the kernel cannot serve this geometry, or None. (`attend_group` would run
+    such a model's decodes through `gather`, without that backend's padding-aware
+    grouping.)"""
+    if head_dim % 32:
+        return f"head_dim {head_dim} is not a multiple of 32"
+    if heads % kv_heads:
+        return f"{heads} heads do not split into {kv_heads} KV-head groups"
+    return None
+
+
 def _get_kernel():
     global _kernel
     if _kernel is None:
@@ -173,8 +184,8 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
     """q: (B, H, D) -> (B, H, D)."""
     b, h, d = q.shape
     n_kv = k_pool.shape[1]
-    if d % 32 or h % n_kv:
-        raise ValueError("paged_decode needs head_dim % 32 == 0 and heads % kv_heads == 0")
+    if (why := unsupported(h, n_kv, d)) is not None:
+        raise ValueError(f"paged_decode: {why}")
     splits = num_splits(b, n_kv, max_context)
     acc, m, l = _get_kernel()(
         inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
