@@ -276,10 +276,10 @@ def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float 
 
 
 def mlx_lm_sweep(rows: list[dict]) -> list[dict]:
-    """mlx_lm.server's sweep points that completed every request (all of them if none
-    did): a point that dropped requests is no peak."""
+    """mlx_lm.server's sweep points that completed every request (else those that
+    completed some): a point that dropped requests is no peak, one with none is no point."""
     sweep = [r for r in rows if r["system"] == "mlx_lm.server" and r["workload"] == "random"]
-    return [r for r in sweep if not r["failed"]] or sweep
+    return [r for r in sweep if not r["failed"]] or [r for r in sweep if r["output_tok_s"] > 0]
 
 
 def poisson_rate(rows: list[dict], output_len: int) -> tuple[float, float]:
@@ -481,7 +481,7 @@ def main(argv=None):
     vllm_exe, why = find_vllm_mlx(args.vllm_mlx)
 
     rate = args.poisson_rate
-    if rate is None and pick(rows, "mlx_lm.server", "random"):
+    if rate is None and mlx_lm_sweep(rows):
         rate = poisson_rate(rows, args.output_len)[0]
     for name in args.systems:
         t0 = time.perf_counter()
@@ -489,8 +489,10 @@ def main(argv=None):
         if name == "mlx_lm.server":
             with mlx_lm_server(model, top, extra) as t:
                 rows += run_system(t, wl, args, {"random", "prefix", "multi-turn"}, None)
-                rate = rate or poisson_rate(rows, args.output_len)[0]
-                rows += run_system(t, wl, args, {"poisson"}, rate)
+                if not rate and mlx_lm_sweep(rows):
+                    rate = poisson_rate(rows, args.output_len)[0]
+                if rate:
+                    rows += run_system(t, wl, args, {"poisson"}, rate)
         elif name == "ours":
             with ours(model, engine, "ours", extra) as t:
                 rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
