@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
@@ -33,16 +32,62 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 _ids = itertools.count()
 
 
-@dataclass
-class _Waiter:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Stream:
+    """One `generate()` call's mailbox, living in the caller's event loop. Outputs merge
+    into `pending`; the caller is woken only when it should yield: at once for an
+    error, the last output, or the first output after its interval (`due`); a
+    pending output that is not yet due arms one timer. So at hundreds of streams,
+    each engine step costs the loop a merge per stream, not a wake-up per stream."""
 
-    def put(self, item) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: RequestOutput | BaseException | None = None
+        self.due = 0.0
+        self._fut: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def put_threadsafe(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.put, item)
         except RuntimeError:
             pass  # the caller's loop is closed; nobody is listening
+
+    def put(self, item) -> None:
+        p = self.pending
+        if isinstance(p, BaseException):
+            return  # an error ends the stream; nothing after it matters
+        self.pending = item if p is None or isinstance(item, BaseException) else p.absorb(item)
+        self._wake()
+
+    def _ready(self) -> bool:
+        p = self.pending
+        return p is not None and (isinstance(p, BaseException) or p.finished or self.loop.time() >= self.due)
+
+    def _wake(self) -> None:
+        if self._fut is None or self._fut.done():
+            return
+        if self._ready():
+            self._fut.set_result(None)
+        elif self.pending is not None and self._timer is None:
+            self._timer = self.loop.call_at(self.due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._wake()
+
+    async def get(self):
+        """The next (merged) output or error, when it is due."""
+        while not self._ready():
+            self._fut = self.loop.create_future()
+            self._wake()
+            await self._fut
+        item, self.pending = self.pending, None
+        return item
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class AsyncEngine:
@@ -53,7 +98,7 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         self._on_start = on_start
         self._commands: queue.Queue = queue.Queue()
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopping = False
         self._stats: dict = {}
@@ -96,39 +141,28 @@ class AsyncEngine:
         the interval grows to `live streams / max_chunks_per_s` when that is longer."""
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"
-        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", request_id, waiter, dict(
+        stream = _Stream(asyncio.get_running_loop())
+        self._commands.put(("add", request_id, stream, dict(
             prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
             priority=priority, cache_salt=cache_salt)))
-        loop = waiter.loop
-        finished, last_yield = False, None
+        finished = False
         self.live_streams += 1
         try:
             while True:
-                item = await waiter.queue.get()
-                interval = stream_interval_s
-                if max_chunks_per_s > 0:
-                    interval = max(interval, self.live_streams / max_chunks_per_s)
-                while not isinstance(item, BaseException) and not item.finished:
-                    if not waiter.queue.empty():
-                        newer = waiter.queue.get_nowait()
-                    elif last_yield is not None and (wait := last_yield + interval - loop.time()) > 0:
-                        try:
-                            newer = await asyncio.wait_for(waiter.queue.get(), wait)
-                        except asyncio.TimeoutError:
-                            break
-                    else:
-                        break
-                    item = newer if isinstance(newer, BaseException) else item.absorb(newer)
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
-                last_yield = loop.time()
+                interval = stream_interval_s
+                if max_chunks_per_s > 0:
+                    interval = max(interval, self.live_streams / max_chunks_per_s)
+                stream.due = stream.loop.time() + interval
                 yield item
                 if finished:
                     return
         finally:
+            stream.close()
             self.live_streams -= 1
             if not finished:
                 self._commands.put(("abort", request_id, None, None))
@@ -193,12 +227,12 @@ class AsyncEngine:
             self._error = e
             dead = EngineDeadError(f"engine loop stopped: {e!r}")
             for w in self._waiters.values():
-                w.put(dead)
+                w.put_threadsafe(dead)
             self._waiters.clear()
             return
         gone = RequestAbortedError("the engine shut down")
         for w in self._waiters.values():
-            w.put(gone)
+            w.put_threadsafe(gone)
         self._waiters.clear()
 
     def _drain(self, block: bool) -> None:
@@ -214,14 +248,14 @@ class AsyncEngine:
                 break
         self._stats = self.engine.stats()
 
-    def _handle(self, kind, request_id, waiter, kwargs) -> None:
+    def _handle(self, kind, request_id, stream, kwargs) -> None:
         if kind == "add":
             try:
                 self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"), **kwargs)
             except Exception as e:
-                waiter.put(e)
+                stream.put_threadsafe(e)
                 return
-            self._waiters[request_id] = waiter
+            self._waiters[request_id] = stream
         elif kind == "abort":
             self.engine.abort(request_id)
             self._waiters.pop(request_id, None)
@@ -232,7 +266,7 @@ class AsyncEngine:
         for rid in request_ids:
             w = self._waiters.pop(rid, None)
             if w is not None:
-                w.put(EngineStepError(f"the engine step running this request failed ({error!r}); "
+                w.put_threadsafe(EngineStepError(f"the engine step running this request failed ({error!r}); "
                                       "it was aborted and its KV blocks freed"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -244,7 +278,7 @@ class AsyncEngine:
             w = self._waiters.get(out.request_id)
             if w is None:
                 continue
-            batches.setdefault(w.loop, []).append((w.queue, out))
+            batches.setdefault(w.loop, []).append((w, out))
             if out.finished:
                 del self._waiters[out.request_id]
         for loop, items in batches.items():
@@ -255,5 +289,5 @@ class AsyncEngine:
 
 
 def _deliver(items: list) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+    for stream, item in items:
+        stream.put(item)

@@ -96,13 +96,16 @@ def test_async_generate_streams_and_matches_sync(async_engine, engine):
 
 
 def test_stream_interval_merges_outputs_without_losing_tokens(async_engine, engine):
-    """A long interval leaves two outputs, the first token and the rest merged; their
-    deltas still add up to exactly the tokens and text of an unmerged run."""
+    """A long interval leaves two outputs, the first token and the rest merged, and does
+    not hold back the last one; their deltas still add up to exactly the tokens and
+    text of an unmerged run."""
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
     async def run(interval, cap=0.0):
-        return [o async for o in async_engine.generate("The baker", p, stream_interval_s=interval,
-                                                       max_chunks_per_s=cap)]
+        async def collect():
+            return [o async for o in async_engine.generate("The baker", p, stream_interval_s=interval,
+                                                           max_chunks_per_s=cap)]
+        return await asyncio.wait_for(collect(), 30)   # well inside the 60 s interval
 
     merged, plain = asyncio.run(run(60.0)), asyncio.run(run(0.0))
     capped = asyncio.run(run(0.0, cap=1 / 60))   # one live stream at 1/60 chunk/s: a 60 s interval
