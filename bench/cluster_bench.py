@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import serve_bench as sb  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "default"
 ROUTER = {"request_router_class": "deployments.router:PrefixAwareRouter",
@@ -103,39 +105,16 @@ def families(n_families: int, prefix_blocks: int, per_family: int, seed: int = 0
 async def _run(url: str, prompts: list, concurrency: int, max_tokens: int, stream: bool = True) -> dict:
     """Send `prompts` with at most `concurrency` in flight. Unstreamed, a request costs
     one response instead of a message per chunk, and TTFT is not measured."""
-    ttfts, tokens = [], 0
-    sem = asyncio.Semaphore(concurrency)
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-    async def one(cl, p):
-        nonlocal tokens
-        async with sem:
-            if not stream:
-                r = await cl.post(url + "/v1/completions", timeout=300, json={**body, "prompt": p})
-                assert r.status_code == 200, r.text
-                tokens += r.json()["usage"]["completion_tokens"]
-                return
-            t = time.perf_counter()
-            first = None
-            async with cl.stream("POST", url + "/v1/completions", timeout=300, json={
-                    **body, "prompt": p, "stream": True, "stream_options": {"include_usage": True}}) as r:
-                assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if any(c["text"] for c in chunk["choices"]):
-                            first = first or time.perf_counter()
-                        if chunk.get("usage"):   # a chunk may carry several tokens: count from usage
-                            tokens += chunk["usage"]["completion_tokens"]
-            ttfts.append(first - t)
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)) as cl:
-        await asyncio.gather(*(one(cl, p) for p in prompts))
-    wall = time.perf_counter() - t0
-    pct = (lambda q: float(np.percentile(ttfts, q))) if ttfts else (lambda q: None)
-    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
-            "ttft_p50_s": pct(50), "ttft_p95_s": pct(95)}
+    backend = sb.HTTPBackend(url, MODEL, {"ignore_eos": True}, stream=stream)
+    try:
+        s = await sb.run(backend, [sb.Request(p, None, max_tokens) for p in prompts],
+                         max_concurrency=concurrency, progress=False)
+    finally:
+        await backend.aclose()
+    assert not s["failed"], s["errors"]
+    ttft = s["ttft_s"] if stream else {"p50": None, "p95": None}
+    return {"wall_s": s["duration_s"], "output_tokens": s["total_output_tokens"],
+            "output_tok_s": s["output_throughput"], "ttft_p50_s": ttft["p50"], "ttft_p95_s": ttft["p95"]}
 
 
 def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int = 8,

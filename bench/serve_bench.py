@@ -164,15 +164,17 @@ def _carries_output(choice: dict) -> bool:
 class HTTPBackend:
     """Streams from `/v1/completions` or `/v1/chat/completions`. `extra_body` rides along
     on every request (e.g. a logit bias that bans EOS, so every server produces exactly
-    `output_len` tokens)."""
+    `output_len` tokens). With `stream=False` each request gets one whole response: its
+    TTFT is then its end-to-end latency, which is what such a client waits for."""
 
     def __init__(self, base_url: str, model: str, extra_body: dict | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, stream: bool = True):
         import httpx
 
         self.base = base_url.rstrip("/")
         self.model = model
         self.extra = extra_body or {}
+        self.stream = stream
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
                                         limits=httpx.Limits(max_connections=2048))
@@ -186,6 +188,8 @@ class HTTPBackend:
             path, body["prompt"] = "/v1/completions", req.prompt
         res, last, pieces = Result(), None, []
         t0 = time.perf_counter()
+        if not self.stream:
+            return await self._send_whole(path, body, res, t0)
         try:
             async with self.client.stream("POST", self.base + path, json=body) as r:
                 if r.status_code != 200:
@@ -217,6 +221,26 @@ class HTTPBackend:
         res.ok = last is not None
         if not res.ok:
             res.error = "no output"
+        return res
+
+    async def _send_whole(self, path: str, body: dict, res: Result, t0: float) -> Result:
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        try:
+            r = await self.client.post(self.base + path, json=body)
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {r.content[:200]!r}"
+                return res
+            out = r.json()
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        res.e2e = res.ttft = time.perf_counter() - t0
+        u = out["usage"]
+        res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+        res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        c = out["choices"][0]
+        res.text = c.get("text") if "text" in c else c["message"].get("content") or ""
+        res.ok = True
         return res
 
     async def aclose(self) -> None:
