@@ -17,7 +17,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .attention.metadata import AttentionMetadata, GroupMetadata, bucket, causal_mask, padded_tables
+from .attention.metadata import (AttentionMetadata, GroupMetadata, bucket, causal_mask, flatten,
+                                 padded_tables)
 from .kv.paged_cache import KVPool, StepContext
 
 MIN_WIDTH = 4          # block-table width of the smallest bucket
@@ -83,9 +84,9 @@ class DecodeGraph:
         logits."""
         b, bs = len(tables), self.block_size
         bp = bucket(b, 1)
-        widths = np.fromiter(map(len, tables), dtype=np.int64, count=b)
+        blocks, widths = flatten(tables)
         width = self._width(int(widths.max()))
-        bt = padded_tables(tables, widths, bp, width)
+        bt = padded_tables(blocks, widths, bp, width)
         pos = np.zeros(bp, dtype=np.int32)
         pos[:b] = positions
         slots = np.full(bp, self.scratch_slot, dtype=np.int32)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cuda, gather
-from .metadata import AttentionMetadata, GroupMetadata, build_metadata, make_group, sort_key
+from .metadata import AttentionMetadata, GroupMetadata, build_metadata, flatten, make_group, sort_key
 
 log = logging.getLogger(__name__)
 AttendFn = Callable[..., mx.array]
@@ -53,7 +53,7 @@ def _decode_problem(batch: int, context: int, heads: int, kv_heads: int, head_di
     perm = rng.permutation(num_blocks)
     tables = [perm[i * blocks_per:(i + 1) * blocks_per][: -(-n // block_size)].tolist()
               for i, n in enumerate(lens)]
-    group = make_group(tables, (lens - 1).tolist(), [1] * batch, lens, 0, block_size)
+    group = make_group(*flatten(tables), (lens - 1).tolist(), [1] * batch, lens, 0, block_size)
     return q, k, v, group
 
 

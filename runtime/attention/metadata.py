@@ -78,11 +78,17 @@ def bucket(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def padded_tables(tables: list[list[int]], widths: np.ndarray, rows: int, width: int) -> np.ndarray:
-    """(rows, width) int32 block tables: each sequence's blocks, then block 0; rows past
-    the sequences are all block 0."""
+def flatten(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables as one flat array of block ids, and each table's width."""
+    widths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    return np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(widths.sum())), widths
+
+
+def padded_tables(blocks: np.ndarray, widths: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """(rows, width) int32 block tables from `flatten`'s output: each sequence's blocks,
+    then block 0; rows past the sequences are all block 0."""
     bt = np.zeros((rows, width), dtype=np.int32)
-    bt[:len(tables)][np.arange(width)[None] < widths[:, None]] = list(itertools.chain.from_iterable(tables))
+    bt[:len(widths)][np.arange(width)[None] < widths[:, None]] = blocks
     return bt
 
 
@@ -92,9 +98,10 @@ def causal_mask(query_pos: mx.array, width: int, block_size: int) -> mx.array:
     return (keys[None, None, :] <= query_pos[:, :, None])[:, None]
 
 
-def make_group(tables, starts, lengths, ctx, row0, block_size, pad: bool = False) -> GroupMetadata:
-    """One group: sequences' block tables, first new positions, new-token counts and
-    context lengths (a numpy array), its first packed row.
+def make_group(blocks, widths, starts, lengths, ctx, row0, block_size, pad: bool = False) -> GroupMetadata:
+    """One group: sequences' block tables (flat, with widths: `flatten`), first new
+    positions, new-token counts and context lengths (a numpy array), its first packed
+    row.
 
     With `pad`, a multi-token (prefill) group is padded to power-of-two sizes in
     sequences, queries and key blocks: MLX's fused attention on CUDA builds a plan per
@@ -103,12 +110,11 @@ def make_group(tables, starts, lengths, ctx, row0, block_size, pad: bool = False
     outputs are dropped through `out_rows`. Metal and CPU pay nothing per shape, so
     there padding would only add work."""
     n = len(lengths)
-    widths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
     lq = max(lengths)
     rows_n, lq_n, width = n, lq, int(widths.max())
     if pad and lq > 1:
         rows_n, lq_n, width = bucket(n, 1), bucket(lq, 16), bucket(width, 4)
-    bt = padded_tables(tables, widths, rows_n, width)
+    bt = padded_tables(blocks, widths, rows_n, width)
     lens = np.asarray(lengths)
     valid = np.zeros((rows_n, lq_n), dtype=bool)
     valid[:n] = np.arange(lq_n)[None] < lens[:, None]
@@ -139,20 +145,17 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `pad_prefill`
     pads prefill groups to power-of-two shapes (see `make_group`). Vectorized over
-    tokens: the per-sequence Python work is one list extend."""
+    tokens: the per-sequence Python work is flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
     row_of = np.concatenate([[0], np.cumsum(lens)])
     seq_of_row = np.repeat(np.arange(len(lens)), lens)
     positions = (np.arange(row_of[-1]) - row_of[:-1][seq_of_row] + np.asarray(starts)[seq_of_row])
-    flat, table_at = [], []
-    for t in block_tables:
-        table_at.append(len(flat))
-        flat.extend(t)
-    blocks = np.asarray(flat, dtype=np.int64)[np.asarray(table_at)[seq_of_row] + positions // block_size]
-    slots = blocks * block_size + positions % block_size
-    groups = [make_group(block_tables[a:b], starts[a:b], lengths[a:b], ctx[a:b], int(row_of[a]), block_size,
-                         pad_prefill)
+    flat, widths = flatten(block_tables)
+    table_at = np.concatenate([[0], np.cumsum(widths)])
+    slots = flat[table_at[:-1][seq_of_row] + positions // block_size] * block_size + positions % block_size
+    groups = [make_group(flat[table_at[a]:table_at[b]], widths[a:b], starts[a:b], lengths[a:b], ctx[a:b],
+                         int(row_of[a]), block_size, pad_prefill)
               for a, b in _group_bounds(lengths, ctx, split_decodes)]
     return AttentionMetadata(mx.array(positions.astype(np.int32)), mx.array(slots.astype(np.int32)),
                              groups, block_size)
