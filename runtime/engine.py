@@ -191,20 +191,23 @@ class LLMEngine:
         return pending
 
     def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+        """Runs for every sequence every step, so it keeps to plain attribute reads."""
         touched: dict[str, _Request] = {}
+        requests, finished, appended = self.requests, SequenceStatus.FINISHED, 0
         for seq, pos, tok in zip(pending.seqs, pending.positions, self.runner.collect(pending)):
-            if seq.is_finished:
+            if seq.status is finished:
                 continue   # stopped or aborted while this step was in flight
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
+            req = requests[seq.request_id]
+            touched[seq.request_id] = req
             seq.token_ids[pos] = tok.token_id
             self._append(req, seq, pos, tok.token_id, tok.logprob)
+            appended += 1
+        self._counters["generation_tokens"] += appended
         return [self._output(r) for r in touched.values()]
 
     def _append(self, req: _Request, seq: Sequence, pos: int, token: int, logprob) -> None:
         if logprob is not None:
             seq.logprobs.append(logprob)
-        self._counters["generation_tokens"] += 1
         detok = req.detoks[seq.index]
         p = seq.params
         reason = None
@@ -224,7 +227,7 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = [self._completion(req, seq) for seq in req.seqs]
-        finished = req.finished
+        finished = all(o.finish_reason is not None for o in outs)
         if finished:
             self.requests.pop(req.request_id, None)
             self._counters["requests_finished"] += 1
@@ -236,7 +239,7 @@ class LLMEngine:
         sent, req.sent[seq.index] = req.sent[seq.index], len(toks)
         detok = req.detoks[seq.index]
         lps = seq.logprobs if seq.params.logprobs is not None else None
-        delta_text = detok.take(seq.is_finished)
+        delta_text = detok.take(seq.finish_reason is not None)
         return CompletionOutput(
             index=seq.index, text=detok.text, token_ids=toks,
             logprobs=list(lps) if lps is not None else None,

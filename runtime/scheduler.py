@@ -31,11 +31,10 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int          # new tokens computed this step
     start: int               # position of the first of them
+    samples: bool = field(init=False)   # the step reaches the end of the tokens: it yields one
 
-    @property
-    def samples(self) -> bool:
-        """The step reaches the end of the known tokens, so it yields a new one."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclass

@@ -45,10 +45,7 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)   # read several times a step
 
     @property
     def num_tokens(self) -> int:
