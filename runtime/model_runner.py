@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import PADDING_FREE, build_metadata, cuda, get_backend, install_hook, resolve_backend
+from .attention import PADDING_FREE, build_metadata, get_backend, install_hook, paged_kernel, resolve_backend
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
@@ -62,14 +62,14 @@ class ModelRunner:
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
         # Shape-bucketed prefill attention where new shapes cost a plan build (CUDA).
-        self.pad_prefill = cuda.available()
+        self.pad_prefill = paged_kernel.available("cuda")
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE
-        # Measured to pay with the CUDA kernel; unmeasured with `gather` on Metal, and
-        # slower on the CPU, so `None` turns it on only with a padding-free kernel.
+        # Measured to pay with the CUDA kernel; slower with `gather` on the CPU, and
+        # unmeasured on Metal (either backend), so `None` turns it on with `cuda` only.
         if compile_decode is None:
-            compile_decode = self.padding_free
+            compile_decode = self.attention_backend == "cuda"
         self.decode_graph = None
         if compile_decode:
             self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free)

@@ -9,27 +9,46 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.attention import build_metadata, check_backend, gather, resolve_backend
-from runtime.attention import cuda as cuda_backend
+from runtime.attention import paged_kernel
 from runtime.attention import _decode_problem
 
 from .conftest import reference_greedy
 
-needs_cuda = pytest.mark.skipif(not cuda_backend.available(),
+needs_cuda = pytest.mark.skipif(not paged_kernel.available("cuda"),
                                 reason="needs MLX's CUDA backend as the default device")
 
 
 def test_auto_falls_back_to_gather_without_a_kernel():
-    if cuda_backend.available():
-        pytest.skip("a CUDA device is present; auto may pick the kernel here")
+    if paged_kernel.available("cuda") or paged_kernel.available("metal"):
+        pytest.skip("a GPU kernel backend is present; auto may pick the kernel here")
     name, why = resolve_backend("auto", 8, 2, 64, 16, mx.float32)
-    assert name == "gather" and "not available" in why
+    assert name == "gather" and "cuda: not available" in why and "metal: not available" in why
+    for kernel in ("cuda", "metal"):
+        with pytest.raises(ValueError, match="not available"):
+            resolve_backend(kernel, 8, 2, 64, 16, mx.float32)
+
+
+def test_metal_source_maps_every_cuda_name_the_kernels_use():
+    """The Metal kernels are the CUDA source under a prologue and a header of macros.
+    Metal is not run here, so this at least holds the translation complete: every
+    CUDA-only name in the kernels is one the prologue or header defines."""
+    import re
+
+    cuda_only = {"blockIdx", "threadIdx", "gridDim", "blockDim", "warpSize", "fmaxf", "fminf", "expf",
+                 "logf", "sqrtf", "rsqrtf", "atomicAdd"}
+    used = set()
+    for src in (paged_kernel._SOURCE, paged_kernel._MERGE_SOURCE):
+        used |= {w for w in re.findall(r"[A-Za-z_]\w*", src) if w.startswith("__") or w in cuda_only}
+    defined = set(re.findall(r"#define (\w+)", paged_kernel._METAL_HEADER))
+    defined |= set(re.findall(r"const uint3 (\w+) =", paged_kernel._METAL_PROLOGUE))
+    assert used and used <= defined, sorted(used - defined)
 
 
 def test_a_kernel_that_cannot_serve_the_model_is_refused_or_skipped():
     """The CUDA kernel needs head_dim % 32 == 0: configured, that is an error; under
     `auto`, gather serves the model (here on any device)."""
-    assert "multiple of 32" in cuda_backend.unsupported(4, 2, 16)
-    assert cuda_backend.unsupported(32, 8, 64) is None
+    assert "multiple of 32" in paged_kernel.unsupported(4, 2, 16)
+    assert paged_kernel.unsupported(32, 8, 64) is None
     with pytest.raises(ValueError, match="cannot serve this model"):
         resolve_backend("cuda", 4, 2, 16, 16, mx.float32)
     name, why = resolve_backend("auto", 4, 2, 16, 16, mx.float32)
@@ -50,7 +69,7 @@ def test_cuda_kernel_matches_gather(dtype, tol, batch, context, heads, kv_heads,
     q, k, v, g = _decode_problem(batch, context, heads, kv_heads, head_dim, 16, dtype, seed=batch)
     scale = head_dim ** -0.5
     want = gather.attend_group(q, k, v, g, scale, 16).astype(mx.float32)
-    got = cuda_backend.attend_group(q, k, v, g, scale, 16).astype(mx.float32)
+    got = paged_kernel.attend_cuda(q, k, v, g, scale, 16).astype(mx.float32)
     assert float(mx.abs(got - want).max().item()) <= tol
 
 

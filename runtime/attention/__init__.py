@@ -16,19 +16,19 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import cuda, gather
+from . import gather, paged_kernel
 from .metadata import AttentionMetadata, GroupMetadata, build_metadata, flatten, make_group, sort_key
 
 log = logging.getLogger(__name__)
 AttendFn = Callable[..., mx.array]
 
-BACKENDS: dict[str, AttendFn] = {"gather": gather.attend_group, "cuda": cuda.attend_group}
-KERNEL_AVAILABLE: dict[str, Callable[[], bool]] = {"cuda": cuda.available}
-# Why a kernel cannot serve a model's (heads, kv_heads, head_dim), or None.
-KERNEL_UNSUPPORTED: dict[str, Callable[[int, int, int], str | None]] = {"cuda": cuda.unsupported}
+BACKENDS: dict[str, AttendFn] = {"gather": gather.attend_group, "cuda": paged_kernel.attend_cuda,
+                                 "metal": paged_kernel.attend_metal}
+# The fused kernels, by the GPU backend they need; `auto` tries them in this order.
+KERNELS = ("cuda", "metal")
 # Backends that read each sequence's own context in place, so a decode group of mixed
 # lengths costs them no padding and need not be split.
-PADDING_FREE = {"cuda"}
+PADDING_FREE = set(KERNELS)
 
 
 def get_backend(name: str) -> AttendFn:
@@ -96,11 +96,11 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
     one, it matches `gather`, and it is faster on the model's geometry."""
     if name != "auto":
         get_backend(name)
-        if name in KERNEL_AVAILABLE and (why := _cannot_run(name, heads, kv_heads, head_dim)):
+        if name in KERNELS and (why := _cannot_run(name, heads, kv_heads, head_dim)):
             raise ValueError(f"attention backend {name!r} cannot serve this model: {why}")
         return name, "configured"
     reasons = []
-    for cand in KERNEL_AVAILABLE:
+    for cand in KERNELS:
         if why := _cannot_run(cand, heads, kv_heads, head_dim):
             reasons.append(f"{cand}: {why}")
             continue
@@ -112,9 +112,9 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
 
 
 def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | None:
-    if not KERNEL_AVAILABLE[name]():
+    if not paged_kernel.available(name):
         return f"not available on {mx.default_device()}"
-    return KERNEL_UNSUPPORTED[name](heads, kv_heads, head_dim)
+    return paged_kernel.unsupported(heads, kv_heads, head_dim)
 
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,

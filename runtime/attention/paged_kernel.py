@@ -1,4 +1,5 @@
-"""Fused paged decode attention for MLX's CUDA backend (`mx.fast.cuda_kernel`).
+"""Fused paged decode attention for MLX's GPU backends: `cuda` (`mx.fast.cuda_kernel`)
+and `metal` (`mx.fast.metal_kernel`).
 
 One thread block per (sequence, KV head, split): it reads that head's keys and values
 straight from the block pool through the block table, serves every query head of the
@@ -9,7 +10,16 @@ step is host-bound on launches long before it is bound by bandwidth. Padding cos
 sequence nothing here (each reads only its own context), so a whole decode batch is
 one group. Only one-query groups (decodes) use it; prefill chunks and attention sinks
 go through `gather`.
+
+The kernels are written once, in CUDA C. For Metal, a prologue names CUDA's block and
+thread indices after Metal's attributes and a header maps the few CUDA intrinsics used
+(shared memory, barrier, warp shuffle, exp) onto Metal's; Apple GPUs run 32-wide SIMD
+groups, as CUDA runs 32-wide warps. Metal cannot run on the machines this project is
+tested on: the start-up self-check against `gather` (`check_backend`) is that path's
+only guard, and a kernel that fails it is not used.
 """
+
+from functools import partial
 
 import mlx.core as mx
 
@@ -121,13 +131,29 @@ _MERGE_SOURCE = """
 """
 MERGE_THREADS = 256
 
-_kernel = None
-_merge = None
+# CUDA names the Metal prologue and header define; a test checks the kernels use no other.
+_METAL_PROLOGUE = """
+    const uint3 blockIdx = threadgroup_position_in_grid;
+    const uint3 threadIdx = thread_position_in_threadgroup;
+    const uint3 gridDim = threadgroups_per_grid;
+    const uint3 blockDim = threads_per_threadgroup;
+"""
+_METAL_HEADER = """
+#define __shared__ threadgroup
+#define __syncthreads() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
+#define __shfl_xor_sync(mask, value, lane_mask) metal::simd_shuffle_xor(value, lane_mask)
+#define __expf(x) metal::precise::exp(x)
+#define __int_as_float(x) as_type<float>(x)
+#define fmaxf(a, b) metal::fmax(a, b)
+"""
+_kernels: dict[tuple[str, str], object] = {}
 _scales: dict[float, mx.array] = {}
 
 
-def available() -> bool:
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+def available(dialect: str) -> bool:
+    """Is the default device a GPU with this kernel's backend (`cuda` or `metal`)?"""
+    backend = mx.cuda if dialect == "cuda" else mx.metal
+    return backend.is_available() and mx.default_device() == mx.gpu
 
 
 def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
@@ -141,28 +167,16 @@ def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="paged_decode_attention",
-            input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
-            output_names=["out_acc", "out_m", "out_l"],
-            source=_SOURCE,
-        )
-    return _kernel
-
-
-def _get_merge():
-    global _merge
-    if _merge is None:
-        _merge = mx.fast.cuda_kernel(
-            name="paged_decode_merge",
-            input_names=["out_acc", "out_m", "out_l"],
-            output_names=["out"],
-            source=_MERGE_SOURCE,
-        )
-    return _merge
+def _kernel(dialect: str, name: str, inputs: list[str], outputs: list[str], source: str):
+    k = _kernels.get((dialect, name))
+    if k is None:
+        if dialect == "cuda":
+            k = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
+        else:
+            k = mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs,
+                                     source=_METAL_PROLOGUE + source, header=_METAL_HEADER)
+        _kernels[(dialect, name)] = k
+    return k
 
 
 def _scale_array(scale: float) -> mx.array:
@@ -180,14 +194,17 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 
 
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                 context_lens: mx.array, max_context: int, scale: float, block_size: int) -> mx.array:
+                 context_lens: mx.array, max_context: int, scale: float, block_size: int,
+                 dialect: str = "cuda") -> mx.array:
     """q: (B, H, D) -> (B, H, D)."""
     b, h, d = q.shape
     n_kv = k_pool.shape[1]
     if (why := unsupported(h, n_kv, d)) is not None:
         raise ValueError(f"paged_decode: {why}")
     splits = num_splits(b, n_kv, max_context)
-    acc, m, l = _get_kernel()(
+    acc, m, l = _kernel(dialect, "paged_decode_attention",
+                        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
+                        ["out_acc", "out_m", "out_l"], _SOURCE)(
         inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
         template=[("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
         grid=(WARPS * 32, n_kv, b * splits),
@@ -196,7 +213,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     total = b * h * d
-    return _get_merge()(
+    return _kernel(dialect, "paged_decode_merge", ["out_acc", "out_m", "out_l"], ["out"], _MERGE_SOURCE)(
         inputs=[acc, m, l],
         template=[("T", q.dtype)],
         grid=(-(-total // MERGE_THREADS) * MERGE_THREADS, 1, 1),
@@ -206,12 +223,16 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
     )[0]
 
 
-def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
+def attend_group(dialect: str, q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
                  scale: float, block_size: int, sinks: mx.array | None = None) -> mx.array:
-    """The `cuda` backend: the fused kernel for decode groups, `gather` for the rest
-    (prefill chunks, attention sinks, head dims that are not a multiple of 32)."""
+    """The `cuda` and `metal` backends: the fused kernel for decode groups, `gather` for
+    the rest (prefill chunks, attention sinks, head dims that are not a multiple of 32)."""
     if not g.single_query or sinks is not None or q.shape[-1] % 32:
         return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks)
     out = paged_decode(q[:, :, 0, :], k_pool, v_pool, g.block_tables, g.context_lens,
-                       g.max_context_len, scale, block_size)
+                       g.max_context_len, scale, block_size, dialect)
     return out[:, :, None, :]
+
+
+attend_cuda = partial(attend_group, "cuda")
+attend_metal = partial(attend_group, "metal")
