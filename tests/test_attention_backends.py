@@ -37,7 +37,7 @@ def test_metal_source_maps_every_cuda_name_the_kernels_use():
     cuda_only = {"blockIdx", "threadIdx", "gridDim", "blockDim", "warpSize", "fmaxf", "fminf", "expf",
                  "logf", "sqrtf", "rsqrtf", "atomicAdd"}
     used = set()
-    for src in (paged_kernel._SOURCE, paged_kernel._MERGE_SOURCE):
+    for src in (paged_kernel._ATTENTION_PARTIAL, paged_kernel._ATTENTION_FINAL, paged_kernel._MERGE_SOURCE):
         used |= {w for w in re.findall(r"[A-Za-z_]\w*", src) if w.startswith("__") or w in cuda_only}
     defined = set(re.findall(r"#define (\w+)", paged_kernel._METAL_HEADER))
     defined |= set(re.findall(r"const uint3 (\w+) =", paged_kernel._METAL_PROLOGUE))
@@ -60,11 +60,19 @@ def test_unknown_backend_is_an_error():
         resolve_backend("flash9", 8, 2, 64, 16, mx.float32)
 
 
+# One split (the attention kernel writes the output) and several (partial sums, merged).
+CUDA_CASES = [(1, 1, 8, 8, 64), (3, 33, 8, 2, 64), (40, 300, 32, 8, 64), (7, 700, 32, 8, 64),
+              (64, 3000, 16, 4, 128), (2, 9000, 4, 1, 64)]
+
+
+def test_kernel_cases_cover_one_and_several_splits():
+    splits = {paged_kernel.num_splits(b, kv, ctx) for b, ctx, _, kv, _ in CUDA_CASES}
+    assert 1 in splits and len(splits) > 2
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype, tol", [(mx.float32, 2e-3), (mx.bfloat16, 3e-2)])
-@pytest.mark.parametrize("batch, context, heads, kv_heads, head_dim", [
-    (1, 1, 8, 8, 64), (3, 33, 8, 2, 64), (7, 700, 32, 8, 64), (64, 3000, 16, 4, 128), (2, 9000, 4, 1, 64),
-])
+@pytest.mark.parametrize("batch, context, heads, kv_heads, head_dim", CUDA_CASES)
 def test_cuda_kernel_matches_gather(dtype, tol, batch, context, heads, kv_heads, head_dim):
     q, k, v, g = _decode_problem(batch, context, heads, kv_heads, head_dim, 16, dtype, seed=batch)
     scale = head_dim ** -0.5

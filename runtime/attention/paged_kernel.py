@@ -5,11 +5,12 @@ One thread block per (sequence, KV head, split): it reads that head's keys and v
 straight from the block pool through the block table, serves every query head of the
 GQA group from one load, and keeps an online softmax per warp. Long contexts are split
 along the sequence (flash-decoding); a second small kernel merges the splits' partial
-sums and writes the output in the query's dtype. Two kernels a layer, because a decode
-step is host-bound on launches long before it is bound by bandwidth. Padding costs a
-sequence nothing here (each reads only its own context), so a whole decode batch is
-one group. Only one-query groups (decodes) use it; prefill chunks and attention sinks
-go through `gather`.
+sums and writes the output in the query's dtype; with one split (a batch big enough to
+fill the GPU) the attention kernel writes the output itself. At most two kernels a
+layer, because a decode step is host-bound on launches long before it is bound by
+bandwidth. Padding costs a sequence nothing here (each reads only its own context), so
+a whole decode batch is one group. Only one-query groups (decodes) use it; prefill
+chunks and attention sinks go through `gather`.
 
 The kernels are written once, in CUDA C. For Metal, a prologue names CUDA's block and
 thread indices after Metal's attributes and a header maps the few CUDA intrinsics used
@@ -101,14 +102,21 @@ _SOURCE = """
             lsum += sm_l[w][g] * c;
             a += sm_acc[w][g][d] * c;
         }
-        const long o = ((long)b * n_heads + h_kv * G + g) * n_split + split;
+        EPILOGUE
+    }
+"""
+# Several splits: each writes its partial sums for the merge kernel.
+_PARTIAL = """const long o = ((long)b * n_heads + h_kv * G + g) * n_split + split;
         out_acc[o * D + d] = a;
         if (d == 0) {
             out_m[o] = mx_;
             out_l[o] = lsum;
-        }
-    }
-"""
+        }"""
+# One split (enough sequences to fill the GPU): the output itself, one kernel a layer.
+_FINAL = """out[((long)b * n_heads + h_kv * G + g) * D + d] = static_cast<T>(a / lsum);"""
+_INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
+_ATTENTION_PARTIAL = _SOURCE.replace("EPILOGUE", _PARTIAL)
+_ATTENTION_FINAL = _SOURCE.replace("EPILOGUE", _FINAL)
 
 _MERGE_SOURCE = """
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -202,13 +210,16 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
     if (why := unsupported(h, n_kv, d)) is not None:
         raise ValueError(f"paged_decode: {why}")
     splits = num_splits(b, n_kv, max_context)
-    acc, m, l = _kernel(dialect, "paged_decode_attention",
-                        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
-                        ["out_acc", "out_m", "out_l"], _SOURCE)(
-        inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
-        template=[("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
-        grid=(WARPS * 32, n_kv, b * splits),
-        threadgroup=(WARPS * 32, 1, 1),
+    call = dict(inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
+                grid=(WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
+    template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)]
+    if splits == 1:
+        final = _kernel(dialect, "paged_decode_attention_final", _INPUTS, ["out"], _ATTENTION_FINAL)
+        return final(**call, template=template + [("T", q.dtype)],
+                     output_shapes=[(b, h, d)], output_dtypes=[q.dtype])[0]
+    acc, m, l = _kernel(dialect, "paged_decode_attention", _INPUTS, ["out_acc", "out_m", "out_l"],
+                        _ATTENTION_PARTIAL)(
+        **call, template=template,
         output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
