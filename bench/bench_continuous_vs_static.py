@@ -4,7 +4,10 @@ Each system serves the same closed-loop workload: `streams` clients, each sendin
 its next request as soon as the previous one finishes, `--requests-per-stream` each.
 Prompts and outputs have mixed lengths (or fixed ones with `--fixed`). EOS is ignored,
 so every request produces exactly its output length. Reported per system and stream
-count: output tok/s, TTFT p50/p95 and peak memory, plus ratios against mlx-lm.
+count: output tok/s, TTFT p50/p95 and peak memory, plus ratios against mlx-lm. Peak
+memory is the process's MLX peak during the run: the weights, our engines' KV pools
+(allocated up front, whichever system runs) and activations, so it compares runs, not
+the systems' KV footprints (`bench/compare.py` measures those).
 
     python bench/bench_continuous_vs_static.py                     # embedded model, CPU-sized
     python bench/bench_continuous_vs_static.py --model llama-1b --fixed \\
