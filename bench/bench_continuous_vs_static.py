@@ -116,7 +116,8 @@ def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None):
     def launch():
         i, (prompt, gen) = pending.pop(0)
         rid = f"b{i}"
-        engine.add_request(rid, None, SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
+        engine.add_request(rid, None, SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True,
+                                                     output_kind="delta"),   # as a server streams
                            prompt_token_ids=prompt)
         submit[rid] = time.perf_counter()
 

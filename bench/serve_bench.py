@@ -267,20 +267,22 @@ class EngineBackend:
             ids = chat_prompt_ids(self.tok, messages)
         else:
             ids = self.tok.encode(req.prompt)
-        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, logit_bias=self.logit_bias)
+        # Deltas only before the last output, as the served app's replica streams them.
+        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, logit_bias=self.logit_bias,
+                                output_kind="delta")
         self._ids += 1
-        res, last, n_seen = Result(prompt_tokens=len(ids)), None, 0
+        res, last = Result(prompt_tokens=len(ids)), None
         t0 = time.perf_counter()
         try:
             async for out in self.engine.generate(None, params, f"bench-{self._ids}", prompt_token_ids=ids):
                 o = out.outputs[0]
-                if len(o.token_ids) > n_seen:
+                if o.delta_token_ids:
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
                     else:
                         res.itl.append(now - last)
-                    last, n_seen = now, len(o.token_ids)
+                    last = now
                 if out.finished:
                     res.output_tokens, res.text = len(o.token_ids), o.text
                     res.cached_tokens = out.num_cached_tokens

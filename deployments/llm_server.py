@@ -14,21 +14,12 @@ import uuid
 from dataclasses import replace
 from functools import partial
 
-from runtime import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
+from runtime import AsyncEngine, EngineConfig, SamplingParams
 from runtime.errors import EngineDeadError, EngineStepError, InvalidRequestError, PromptTooLongError
 
 log = logging.getLogger("ray.serve")
 
 ROUTING_HASH_LIMIT = 4096   # block hashes a replica reports to the router, most recent first
-
-
-def stream_delta(out: RequestOutput) -> RequestOutput:
-    """An output before the last, as the ingress reads it: its deltas. The cumulative
-    text, token ids and logprobs, and the prompt, would otherwise travel again with
-    every chunk (2.3 KB for a 512-token prompt and 100 tokens out, against 0.3 KB),
-    growing with the output."""
-    outputs = [replace(o, text="", token_ids=[], logprobs=None) for o in out.outputs]
-    return RequestOutput(out.request_id, None, [], outputs, out.finished, out.num_cached_tokens)
 
 
 def error_item(e: Exception) -> dict:
@@ -91,6 +82,11 @@ class LLMServer:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None):
         request_id = f"{self.replica_id}-{next(self._ids)}"
+        # Before the last output, only deltas travel to the ingress: the cumulative
+        # text, token ids and logprobs, and the prompt, would otherwise go again with
+        # every chunk (2.3 KB for a 512-token prompt and 100 tokens out, against
+        # 0.3 KB), growing with the output. The ingress reads them from the last.
+        params = replace(params, output_kind="delta")
         try:
             async for out in self.engine.generate(None, params, request_id,
                                                   prompt_token_ids=prompt_token_ids,
@@ -98,7 +94,7 @@ class LLMServer:
                                                   stream_interval_s=self.stream_interval_s,
                                                   max_chunks_per_s=self.max_stream_chunks_per_s):
                 if not out.finished:
-                    yield stream_delta(out)
+                    yield out
                     continue
                 out.replica_id = self.replica_id
                 out.engine_stats = self.stats()

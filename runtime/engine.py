@@ -8,7 +8,7 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -226,26 +226,31 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [self._completion(req, seq) for seq in req.seqs]
-        finished = all(o.finish_reason is not None for o in outs)
+        finished = all(s.finish_reason is not None for s in req.seqs)
+        whole = finished or req.params.output_kind == "cumulative"
+        outs = [self._completion(req, seq, whole) for seq in req.seqs]
         if finished:
             self.requests.pop(req.request_id, None)
             self._counters["requests_finished"] += 1
         cached = min(s.num_cached_tokens or 0 for s in req.seqs)
+        if not whole:
+            return RequestOutput(req.request_id, None, [], outs, False, cached)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached)
 
-    def _completion(self, req: _Request, seq: Sequence) -> CompletionOutput:
-        toks = seq.output_token_ids
-        sent, req.sent[seq.index] = req.sent[seq.index], len(toks)
+    def _completion(self, req: _Request, seq: Sequence, whole: bool) -> CompletionOutput:
+        """`whole`: with the cumulative text, token ids and logprobs, not only deltas."""
+        start, known = seq.num_prompt_tokens, seq.num_known_tokens
+        sent, req.sent[seq.index] = req.sent[seq.index], known - start
         detok = req.detoks[seq.index]
         lps = seq.logprobs if seq.params.logprobs is not None else None
         delta_text = detok.take(seq.finish_reason is not None)
         return CompletionOutput(
-            index=seq.index, text=detok.text, token_ids=toks,
-            logprobs=list(lps) if lps is not None else None,
+            index=seq.index, text=detok.text if whole else "",
+            token_ids=seq.token_ids[start:known] if whole else [],
+            logprobs=list(lps) if whole and lps is not None else None,
             finish_reason=seq.finish_reason,
             delta_text=delta_text,
-            delta_token_ids=toks[sent:],
+            delta_token_ids=seq.token_ids[start + sent:known],
             delta_logprobs=lps[sent:] if lps is not None else [],
         )
 
@@ -257,6 +262,8 @@ class LLMEngine:
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        # Only last outputs are returned: the ones before need no cumulative fields.
+        plist = [replace(sp, output_kind="delta") for sp in plist]
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             rid = f"generate-{id(prompts)}-{i}"

@@ -15,6 +15,10 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=None` returns none; `logprobs=k` returns the sampled token's logprob plus the top k.
+    `output_kind="delta"`: outputs before the last carry only what is new (`delta_*`;
+    their text, token ids, logprobs and prompt are empty) and the last carries it all,
+    so an output costs the same however long the request has run (streaming servers);
+    `"cumulative"` (the default) fills every output.
     """
 
     n: int = 1
@@ -32,6 +36,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -52,6 +57,8 @@ class SamplingParams:
         def bad(msg, param):
             raise InvalidSamplingParamsError(msg, param)
 
+        if self.output_kind not in ("cumulative", "delta"):
+            bad(f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}", "output_kind")
         if not 1 <= self.n <= MAX_N:
             bad(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.max_tokens < 1:

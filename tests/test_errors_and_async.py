@@ -266,22 +266,23 @@ def test_ingress_answers_a_failed_step_with_503():
     assert bad.status_code == 400 and _json.loads(bad.body)["error"]["param"] == "prompt"
 
 
-def test_replica_streams_deltas_and_a_whole_last_output(async_engine):
-    """Before the last output, only deltas travel from replica to ingress; the deltas
-    still add up to the last output's text and tokens."""
-    from deployments.llm_server import stream_delta
-
-    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+def test_delta_outputs_add_up_to_the_whole_last_one(async_engine):
+    """`output_kind="delta"` (what the replica streams to the ingress): before the last
+    output only deltas travel; they still add up to the last output's text, tokens and
+    logprobs, and the last one is whole, prompt included."""
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, output_kind="delta")
 
     async def run():
         return [o async for o in async_engine.generate(prompt_token_ids=list(range(5, 60)), params=p)]
 
-    outs = asyncio.run(run())
-    sent = [stream_delta(o) if not o.finished else o for o in outs]
+    sent = asyncio.run(run())
     assert len(sent) > 2
     for o in sent[:-1]:
-        assert o.prompt_token_ids == [] and o.outputs[0].token_ids == [] and o.outputs[0].text == ""
+        c = o.outputs[0]
+        assert o.prompt_token_ids == [] and c.token_ids == [] and c.text == "" and c.logprobs is None
     last = sent[-1].outputs[0]
     assert [t for o in sent for t in o.outputs[0].delta_token_ids] == last.token_ids
     assert "".join(o.outputs[0].delta_text for o in sent) == last.text
+    assert [lp.token_id for o in sent for lp in o.outputs[0].delta_logprobs] == last.token_ids
+    assert len(last.logprobs) == len(last.token_ids) == 12
     assert sent[-1].prompt_token_ids == list(range(5, 60))
