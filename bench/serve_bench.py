@@ -161,6 +161,11 @@ def _carries_output(choice: dict) -> bool:
     return bool(content) or (content is not None and "role" not in delta)
 
 
+def _read_usage(res: Result, u: dict) -> None:
+    res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
 class HTTPBackend:
     """Streams from `/v1/completions` or `/v1/chat/completions`. `extra_body` rides along
     on every request (e.g. a logit bias that bans EOS, so every server produces exactly
@@ -200,9 +205,7 @@ class HTTPBackend:
                         continue
                     chunk = json.loads(line[5:])
                     if chunk.get("usage"):
-                        u = chunk["usage"]
-                        res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
-                        res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        _read_usage(res, chunk["usage"])
                     for c in chunk.get("choices") or []:
                         if _carries_output(c):
                             piece = c.get("text") if "text" in c else c["delta"].get("content")
@@ -235,9 +238,7 @@ class HTTPBackend:
             res.error = f"{type(e).__name__}: {e}"
             return res
         res.e2e = res.ttft = time.perf_counter() - t0
-        u = out["usage"]
-        res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
-        res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        _read_usage(res, out["usage"])
         c = out["choices"][0]
         res.text = c.get("text") if "text" in c else c["message"].get("content") or ""
         res.ok = True

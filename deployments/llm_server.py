@@ -93,11 +93,9 @@ class LLMServer:
                                                   priority=priority, cache_salt=cache_salt,
                                                   stream_interval_s=self.stream_interval_s,
                                                   max_chunks_per_s=self.max_stream_chunks_per_s):
-                if not out.finished:
-                    yield out
-                    continue
-                out.replica_id = self.replica_id
-                out.engine_stats = self.stats()
+                if out.finished:
+                    out.replica_id = self.replica_id
+                    out.engine_stats = self.stats()
                 yield out
         except (InvalidRequestError, EngineStepError) as e:
             yield error_item(e)

@@ -226,7 +226,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        finished = all(s.finish_reason is not None for s in req.seqs)
+        finished = req.finished
         whole = finished or req.params.output_kind == "cumulative"
         outs = [self._completion(req, seq, whole) for seq in req.seqs]
         if finished:
@@ -243,7 +243,7 @@ class LLMEngine:
         sent, req.sent[seq.index] = req.sent[seq.index], known - start
         detok = req.detoks[seq.index]
         lps = seq.logprobs if seq.params.logprobs is not None else None
-        delta_text = detok.take(seq.finish_reason is not None)
+        delta_text = detok.take(seq.is_finished)
         return CompletionOutput(
             index=seq.index, text=detok.text if whole else "",
             token_ids=seq.token_ids[start:known] if whole else [],

@@ -165,9 +165,8 @@ def available(dialect: str) -> bool:
 
 
 def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
-    """Why the kernel cannot serve this geometry, or None. (`attend_group` would run
-    such a model's decodes through `gather`, without that backend's padding-aware
-    grouping.)"""
+    """Why the kernel cannot serve this geometry, or None; `resolve_backend` then
+    refuses the kernel for the model."""
     if head_dim % 32:
         return f"head_dim {head_dim} is not a multiple of 32"
     if heads % kv_heads:
@@ -237,8 +236,8 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
 def attend_group(dialect: str, q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
                  scale: float, block_size: int, sinks: mx.array | None = None) -> mx.array:
     """The `cuda` and `metal` backends: the fused kernel for decode groups, `gather` for
-    the rest (prefill chunks, attention sinks, head dims that are not a multiple of 32)."""
-    if not g.single_query or sinks is not None or q.shape[-1] % 32:
+    the rest (prefill chunks, attention sinks)."""
+    if not g.single_query or sinks is not None:
         return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks)
     out = paged_decode(q[:, :, 0, :], k_pool, v_pool, g.block_tables, g.context_lens,
                        g.max_context_len, scale, block_size, dialect)
