@@ -1,9 +1,10 @@
 """Where a decode step's time goes: host work vs waiting for the device.
 
 For each batch size, fills the engine with that many sequences, lets prefill finish,
-then times decode steps: the wall time per step, the time spent blocked reading back
-sampled tokens (device-bound share), and the rest (host: scheduling, metadata, graph
-building, detokenizing). `--cprofile` adds the top host functions.
+then times decode steps: the wall time per step, the time spent blocked on the device
+(waiting for the step in flight before queueing the next, reading back sampled
+tokens: the device-bound share), and the rest (host: scheduling, metadata, graph
+building, kernel encoding, detokenizing). `--cprofile` adds the top host functions.
 
     python bench/step_profile.py --model llama-1b --batch 1 32 128 256
 """
@@ -37,16 +38,19 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
         engine.step()
     for _ in range(3):
         engine.step()
+    # The host blocks on the device in two places: waiting for the step in flight
+    # before queueing the next one, and reading back sampled tokens.
     waited = [0.0]
-    orig = ModelRunner.collect
 
-    def timed_collect(pending):
-        t = time.perf_counter()
-        out = orig(pending)
-        waited[0] += time.perf_counter() - t
-        return out
+    def timed(fn):
+        def run(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            waited[0] += time.perf_counter() - t
+            return out
+        return run
 
-    engine.runner.collect = timed_collect
+    engine.runner.wait, engine.runner.collect = timed(ModelRunner.wait), timed(ModelRunner.collect)
     prof = cProfile.Profile() if use_cprofile else None
     if prof:
         prof.enable()
@@ -63,7 +67,7 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
     extra = mx.get_peak_memory() - active
     if prof:
         prof.disable()
-    engine.runner.collect = orig
+    del engine.runner.wait, engine.runner.collect   # back to the class's methods
     for rid in list(engine.requests):
         engine.abort(rid)
     while engine.has_unfinished_requests():

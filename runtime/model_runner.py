@@ -138,13 +138,18 @@ class ModelRunner:
         seqs = [s.seq for s in scheduled if s.samples]
         res = sample(logits, seqs) if seqs else None
         if prev is not None:
-            mx.synchronize()
+            self.wait()
         if res is None:
             mx.async_eval(self.pool.arrays())
             return PendingStep([], None, {})
         outs = [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
         mx.async_eval(*outs, *self.pool.arrays())
         return PendingStep(seqs, res, {seq.seq_id: i for i, seq in enumerate(seqs)})
+
+    @staticmethod
+    def wait() -> None:
+        """Block until the work queued on the device has finished."""
+        mx.synchronize()
 
     @staticmethod
     def collect(pending: "PendingStep") -> list[SampledToken]:
