@@ -15,6 +15,8 @@ class EngineConfig:
     before step N's tokens are read back (mlx-lm's `mx.async_eval` pipelining).
     `compile_decode` runs decode-only steps through `mx.compile` (decode_graph.py);
     None turns it on where it was measured to pay: with the fused CUDA kernel.
+    `fuse_projections` concatenates each layer's q/k/v and gate/up weights, so each
+    set is one matmul (models/fuse.py).
     """
 
     model: str = str(default_model_path())
@@ -31,6 +33,7 @@ class EngineConfig:
     enable_continuous_batching: bool = True
     attention_backend: str = "auto"
     compile_decode: bool | None = None
+    fuse_projections: bool = True
     async_scheduling: bool = True
     seed: int = 0
     trust_remote_code: bool = False

@@ -19,6 +19,7 @@ from .errors import (DuplicateRequestError, EmptyPromptError, InvalidRequestErro
 from .kv.block_manager import KVCacheManager
 from .kv.block_pool import device_memory_bytes, kv_bytes_per_block, num_blocks_for_budget
 from .model_runner import ModelRunner, PendingStep
+from .models.fuse import fuse_projections
 from .models.loader import activation_dtype, kv_geometry, load, max_context
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.model_config = load(config.model, config.trust_remote_code)
+        if config.fuse_projections:
+            log.info("fused %d projection sets", fuse_projections(self.model))
         self._hf = self.tokenizer._tokenizer
         self.vocab_size = self.model_config.get("vocab_size") or len(self._hf)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids or [])

@@ -1,5 +1,6 @@
 """Shared fixtures: small models made offline, and an mlx-lm reference to compare with."""
 
+import functools
 import os
 
 import pytest
@@ -37,12 +38,20 @@ def default_model():
     return str(default_model_path())
 
 
-def reference_greedy(model, prompt_ids, max_tokens):
-    """mlx-lm's own greedy decode: [(token, logprobs over the vocab)] per step."""
+@functools.lru_cache(maxsize=8)
+def _mlx_lm_model(path: str):
+    from mlx_lm import load
+
+    return load(path)[0]
+
+
+def reference_greedy(path, prompt_ids, max_tokens):
+    """mlx-lm's own greedy decode of the model at `path`, loaded by mlx-lm as it is
+    (the engine's copy has fused projections): [(token, logprobs over the vocab)] per step."""
     from mlx_lm.generate import generate_step
 
     out = []
-    for tok, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens,
+    for tok, logprobs in generate_step(mx.array(prompt_ids), _mlx_lm_model(path), max_tokens=max_tokens,
                                        sampler=lambda lp: mx.argmax(lp, axis=-1)):
         out.append((int(tok), logprobs.astype(mx.float32)))
         if len(out) == max_tokens:

@@ -93,7 +93,7 @@ def test_engine_on_cuda_backend_matches_mlx_lm(default_model):
     prompts = [[5, 6, 7], list(range(10, 60)), [9] * 17]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(engine.model, p, 10)]
+        assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(engine.config.model, p, 10)]
 
 
 def test_decode_groups_split_by_length_only_for_padding_backends():

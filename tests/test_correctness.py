@@ -23,7 +23,7 @@ def _params(n=MAX_TOKENS):
 
 
 def _check(engine, out, prompt_ids, tol, max_tokens=MAX_TOKENS):
-    ref = reference_greedy(engine.model, prompt_ids, max_tokens)
+    ref = reference_greedy(engine.config.model, prompt_ids, max_tokens)
     got = out.outputs[0]
     assert got.token_ids == [t for t, _ in ref], "greedy tokens differ from mlx-lm"
     for lp, (tok, ref_lp) in zip(got.logprobs, ref):
