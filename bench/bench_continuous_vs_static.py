@@ -270,10 +270,9 @@ def main(argv=None):
         engines["continuous"] = LLMEngine(EngineConfig(**cfg))
     if "static" in args.systems:
         engines["static"] = LLMEngine(EngineConfig(**cfg, enable_continuous_batching=False))
-    model = next(iter(engines.values())).model if engines else None
-    if model is None:
-        from mlx_lm import load
-        model, _ = load(path)
+    # mlx-lm runs its own copy of the model, as loaded: the engines fuse projections.
+    from mlx_lm import load
+    model, _ = load(path)
     vocab = model.args.vocab_size
     warm = workload(4, argparse.Namespace(fixed=True, prompt_len=32, gen_len=8), vocab, seed=99)
     for name, eng in engines.items():

@@ -295,9 +295,11 @@ def kv_memory_rows(model_path: str, engine_cfg: dict, args) -> list[dict]:
     pool holds for requests vs what mlx-lm's BatchGenerator allocates (its caches pad
     every sequence of a batch to the longest and grow in 256-token steps)."""
     from bench.bench_continuous_vs_static import run_mlx_lm, run_ours, workload
+    from mlx_lm import load
     from runtime import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model_path, **engine_cfg))
+    plain, _ = load(model_path)   # mlx-lm's own copy, as loaded (the engine's has fused projections)
     rows = []
     for c in args.concurrency:
         spec = argparse.Namespace(fixed=False, prompt_len=args.input_len, gen_len=args.output_len)
@@ -306,7 +308,7 @@ def kv_memory_rows(model_path: str, engine_cfg: dict, args) -> list[dict]:
         engine.kv.cache.reset()
         r_ours = run_ours(engine, reqs, c, "ours",
                           on_step=lambda: ours_kv.append(engine.stats()["kv_cache_bytes_in_use"]))
-        r_dense = run_mlx_lm(engine.model, reqs, c, on_step=lambda g: dense_kv.append(g.prompt_cache_nbytes))
+        r_dense = run_mlx_lm(plain, reqs, c, on_step=lambda g: dense_kv.append(g.prompt_cache_nbytes))
         for name, r, kv in (("ours-bare-engine", r_ours, ours_kv), ("mlx_lm.server", r_dense, dense_kv)):
             rows.append({"system": name, "workload": "kv-memory", "request_rate": None, "concurrency": c,
                          "ttft_p50_s": r["ttft_p50_s"], "ttft_p95_s": r["ttft_p95_s"], "tpot_p50_s": None,

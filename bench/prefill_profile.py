@@ -50,14 +50,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     path = resolve_model(args.model)
     rows = []
-    model = None
+    from mlx_lm import load
+    model, _ = load(path)   # mlx-lm's own copy, as loaded (the engine's has fused projections)
+    vocab = model.args.vocab_size
     for chunk in args.chunks:
         engine = LLMEngine(EngineConfig(model=path, max_num_batched_tokens=chunk, max_num_seqs=4,
                                         max_model_len=max(args.contexts) + 8,
                                         kv_cache_memory_bytes=4 << 30,
                                         attention_backend=args.attention_backend))
-        model = engine.model
-        vocab = model.args.vocab_size
         for ctx in args.contexts:
             prompt = [(31 * i + 7) % (vocab - 3) + 3 for i in range(ctx)]
             dense(model, prompt, chunk), paged(engine, prompt)          # warm up these shapes
