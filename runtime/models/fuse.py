@@ -119,7 +119,7 @@ def fuse_projections(model) -> int:
     for layer in getattr(model, "layers", []):
         for parent_name, names, fused_name in FUSIBLE:
             parent = getattr(layer, parent_name, None)
-            if parent is None or not all(name in parent for name in names):
+            if parent is None or fused_name in parent or not all(name in parent for name in names):
                 continue
             layers = [parent[name] for name in names]
             fused = _concat(layers)
