@@ -10,8 +10,8 @@ computes the fused matmul for the others. A slice called on another input comput
 its own, so a model that feeds its projections different inputs stays correct.
 
 Prefill chunks are compute-bound and gain nothing from fewer launches, and fused they
-were slower (a 16k-token step 26 % slower on an H200: the slices of the wide output
-are strided for what follows). There each slice runs its own matmul on its rows of the
+were slower (a 16k-token step 26 % slower on an H200; the cause is not isolated:
+perhaps the strided slices of the wide output feeding what follows). There each slice runs its own matmul on its rows of the
 fused weight, a contiguous view: the same matmul as before fusing.
 """
 
