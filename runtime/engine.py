@@ -229,13 +229,18 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        finished = req.finished
+        seqs = req.seqs
+        if len(seqs) == 1:   # most requests: no generator per output, every step
+            finished = seqs[0].status is SequenceStatus.FINISHED
+            cached = seqs[0].num_cached_tokens or 0
+        else:
+            finished = req.finished
+            cached = min(s.num_cached_tokens or 0 for s in seqs)
         whole = finished or req.params.output_kind == "cumulative"
-        outs = [self._completion(req, seq, whole) for seq in req.seqs]
+        outs = [self._completion(req, seq, whole) for seq in seqs]
         if finished:
             self.requests.pop(req.request_id, None)
             self._counters["requests_finished"] += 1
-        cached = min(s.num_cached_tokens or 0 for s in req.seqs)
         if not whole:
             return RequestOutput(req.request_id, None, [], outs, False, cached)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached)
