@@ -14,7 +14,8 @@ class EngineConfig:
     (tests use it to force preemption). `async_scheduling` queues step N+1 on the device
     before step N's tokens are read back (mlx-lm's `mx.async_eval` pipelining).
     `compile_decode` runs decode-only steps through `mx.compile` (decode_graph.py);
-    None turns it on where it was measured to pay: with the fused CUDA kernel.
+    None turns it on where it was measured to pay: every decode step with the fused
+    CUDA kernel, decode steps of up to 8 sequences with `gather`.
     `fuse_projections` concatenates each layer's q/k/v and gate/up weights, so each
     set is one matmul (models/fuse.py).
     """

@@ -30,9 +30,10 @@ class DecodeGraph:
     attention metadata; this calls it compiled, on padded decode batches."""
 
     def __init__(self, logits_fn: Callable[[mx.array], mx.array], ctx: StepContext, pool: KVPool,
-                 padding_free: bool):
+                 padding_free: bool, max_batch: int | None = None):
         self._logits_fn = logits_fn
         self.padding_free = padding_free
+        self.max_batch = max_batch   # larger decode steps run eagerly; None: no limit
         self.ctx = ctx
         self.block_size = pool.block_size
         self.scratch_slot = pool.scratch_slot
@@ -51,6 +52,9 @@ class DecodeGraph:
         self.ctx.meta = AttentionMetadata(positions, slots, [group], self.block_size)
         return self._logits_fn(tokens[:, None])
 
+    def accepts(self, batch: int) -> bool:
+        return self.max_batch is None or batch <= self.max_batch
+
     def _width(self, blocks: int) -> int:
         if self.padding_free:
             return bucket(blocks, MIN_WIDTH)
@@ -66,6 +70,8 @@ class DecodeGraph:
         widths = sorted({self._width(n) for n in range(1, max_blocks + 1)})
         if not self.padding_free:
             widths = widths[:1]
+        if self.max_batch is not None:
+            max_batch = min(max_batch, self.max_batch)
         batches = sorted({bucket(b, 1) for b in range(1, max_batch + 1)})
         for b in batches:
             for w in widths:

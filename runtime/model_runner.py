@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # Architectures whose `Model.__call__` is `model.model(...)` then the tied embedding or
 # `lm_head`; for them logits are computed for sampled rows only. Others run whole.
 _SPLIT_HEAD_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"}
+GATHER_COMPILE_MAX_BATCH = 8   # decode batches compiled under `auto` with `gather`
 
 
 @dataclass
@@ -66,13 +67,20 @@ class ModelRunner:
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE
-        # Measured to pay with the CUDA kernel; slower with `gather` on the CPU, and
-        # unmeasured on Metal (either backend), so `None` turns it on with `cuda` only.
+        # `None` (auto) compiles where it was measured to pay: every decode step with the
+        # CUDA kernel; with `gather`, small batches only (on the CPU it gained up to 30 %
+        # at one to eight sequences and lost beyond sixteen, where padding each context
+        # to a multiple of 8 blocks costs more than tracing saves); not with the Metal
+        # kernel, unmeasured.
+        max_batch = None
         if compile_decode is None:
-            compile_decode = self.attention_backend == "cuda"
+            compile_decode = self.attention_backend in ("cuda", "gather")
+            if self.attention_backend == "gather":
+                max_batch = GATHER_COMPILE_MAX_BATCH
         self.decode_graph = None
         if compile_decode:
-            self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free)
+            self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free,
+                                            max_batch)
 
     def _decode_logits(self, inputs: mx.array) -> mx.array:
         return self._logits(inputs, None, self._split_head)
@@ -117,7 +125,8 @@ class ModelRunner:
             inputs = mx.array(np.asarray(tokens, dtype=np.int32))
             if fill_rows:
                 inputs[mx.array(fill_rows)] = prev.result.tokens[mx.array(fill_src)]
-        if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows):
+        if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows) \
+                and self.decode_graph.accepts(t):
             return self.decode_graph(inputs, tables, starts)
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,

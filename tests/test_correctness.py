@@ -167,6 +167,26 @@ def test_shape_padded_prefill_matches(arch):
         _check(engine, out, ids, TOL[name])
 
 
+def test_auto_compiles_small_gather_decode_batches_only(model_dirs):
+    """Under `auto` with `gather`, decode steps of up to 8 sequences go through the
+    compiled graph and larger ones run eagerly; outputs stay mlx-lm's either way."""
+    from runtime.model_runner import GATHER_COMPILE_MAX_BATCH
+
+    path = model_dirs["llama"]
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=128, max_num_seqs=12, attention_backend="gather"))
+    graph = engine.runner.decode_graph
+    assert graph is not None and graph.max_batch == GATHER_COMPILE_MAX_BATCH
+    assert {b for b, _ in graph.traced} == {1, 2, 4, 8}
+    rng = random.Random(21)
+    prompts = [_prompt(rng, rng.randrange(2, 40)) for _ in range(12)]
+    lengths = [4 + i for i in range(12)]   # the batch shrinks from 12 to 1 as they finish
+    outs = engine.generate(prompts, [_params(n) for n in lengths])
+    assert graph.used and max(b for b, _ in graph.used) <= GATHER_COMPILE_MAX_BATCH
+    assert min(b for b, _ in graph.used) == 1
+    for p, o, n in zip(prompts, outs, lengths):
+        _check(engine, o, p, TOL["llama"], max_tokens=n)
+
+
 def test_compiled_decode_matches(arch):
     """Decode steps through `mx.compile` (on by default with the CUDA kernel), forced on
     here: batches that grow and shrink pad to power-of-two buckets, traced at start-up,
