@@ -68,10 +68,10 @@ class ModelRunner:
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE
         # `None` (auto) compiles where it was measured to pay: every decode step with the
-        # CUDA kernel; with `gather`, small batches only (on the CPU it gained up to 30 %
-        # at one to eight sequences and lost beyond sixteen, where padding each context
-        # to a multiple of 8 blocks costs more than tracing saves); not with the Metal
-        # kernel, unmeasured.
+        # CUDA kernel; with `gather`, small batches only (on the CPU it gained 3-30 % at
+        # one to eight sequences, broke even at 16 and lost 4 % at 32, where padding each
+        # context to a multiple of 8 blocks costs more than tracing saves); not with the
+        # Metal kernel, unmeasured.
         max_batch = None
         if compile_decode is None:
             compile_decode = self.attention_backend in ("cuda", "gather")
