@@ -11,8 +11,9 @@ its own, so a model that feeds its projections different inputs stays correct.
 
 Prefill chunks are compute-bound and gain nothing from fewer launches, and fused they
 were slower (a 16k-token step 26 % slower on an H200; the cause is not isolated:
-perhaps the strided slices of the wide output feeding what follows). There each slice runs its own matmul on its rows of the
-fused weight, a contiguous view: the same matmul as before fusing.
+perhaps the strided slices of the wide output feeding what follows). There each slice
+runs its own layer over its rows of the fused weights (views, no copies): the same
+matmul as before fusing.
 """
 
 from functools import partial
@@ -45,24 +46,18 @@ class FusedProjection(nn.Module):
         super().__init__()
         self.fused = layer
         self._split_at = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-        self._bounds = list(zip([0, *self._split_at], [*self._split_at, sum(sizes)]))
+        bounds = zip([0, *self._split_at], [*self._split_at, sum(sizes)])
+        slices = [_layer_like(layer, {k: v[a:b] for k, v in layer.items()}) for a, b in bounds]
+        mx.eval([x.parameters() for x in slices])
+        # Set past Module.__setattr__: a list would register them as children, and
+        # their views of the fused weights would count as parameters twice.
+        object.__setattr__(self, "_slices", slices)
         self._last = None
         self.max_rows = FUSED_MAX_ROWS
 
-    def _slice_matmul(self, x: mx.array, index: int) -> mx.array:
-        a, b = self._bounds[index]
-        f = self.fused
-        if not isinstance(f, nn.QuantizedLinear):   # as nn.Linear computes it
-            w = f["weight"][a:b].T
-            return mx.addmm(f["bias"][a:b], x, w) if "bias" in f else x @ w
-        y = mx.quantized_matmul(x, f["weight"][a:b], scales=f["scales"][a:b],
-                                biases=f["biases"][a:b] if "biases" in f else None,
-                                transpose=True, group_size=f.group_size, bits=f.bits, mode=f.mode)
-        return y + f["bias"][a:b] if "bias" in f else y
-
     def part(self, x: mx.array, index: int) -> mx.array:
         if x.size > self.max_rows * x.shape[-1]:
-            return self._slice_matmul(x, index)
+            return self._slices[index](x)
         last = self._last
         if last is None or last.x is not x:
             last = self._last = _Last(x, mx.split(self.fused(x), self._split_at, axis=-1))
@@ -83,6 +78,21 @@ class ProjectionSlice(nn.Module):
         return self._part(x)
 
 
+def _layer_like(like: nn.Module, arrays: dict) -> nn.Module:
+    """A layer of `like`'s type and quantization settings holding `arrays`, built
+    without the constructor's random initialization."""
+    layer = type(like).__new__(type(like))
+    nn.Module.__init__(layer)
+    quantized = isinstance(like, nn.QuantizedLinear)
+    if quantized:
+        layer.group_size, layer.bits, layer.mode = like.group_size, like.bits, like.mode
+    for k, v in arrays.items():
+        layer[k] = v
+    if quantized:
+        layer.freeze()   # as QuantizedLinear's own constructor does
+    return layer
+
+
 def _concat(layers: list[nn.Module]) -> nn.Module | None:
     """The layers as one, or None when they cannot be concatenated (other layer types,
     different inputs or quantization settings, bias on some only)."""
@@ -100,17 +110,7 @@ def _concat(layers: list[nn.Module]) -> nn.Module | None:
         settings = (first.group_size, first.bits, first.mode)
         if any((x.group_size, x.bits, x.mode) != settings for x in layers):
             return None
-        fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
-        nn.Module.__init__(fused)
-        fused.group_size, fused.bits, fused.mode = settings
-    else:
-        fused = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(fused)
-    for k in keys:
-        fused[k] = mx.concatenate([x[k] for x in layers], axis=0)
-    if kind is nn.QuantizedLinear:
-        fused.freeze()   # as QuantizedLinear's own constructor does
-    return fused
+    return _layer_like(first, {k: mx.concatenate([x[k] for x in layers], axis=0) for k in keys})
 
 
 def fuse_projections(model) -> int:
