@@ -267,7 +267,7 @@ class AsyncEngine:
             w = self._waiters.pop(rid, None)
             if w is not None:
                 w.put_threadsafe(EngineStepError(f"the engine step running this request failed ({error!r}); "
-                                      "it was aborted and its KV blocks freed"))
+                                                 "it was aborted and its KV blocks freed"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """One wake-up per event loop per step, not one per request: a thread-safe

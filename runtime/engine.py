@@ -42,9 +42,20 @@ class _Request:
     def __post_init__(self):
         self.sent = [0] * len(self.seqs)
 
+    # Both are read for every output, every step; most requests have one sequence.
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].num_cached_tokens or 0
+        return min(s.num_cached_tokens or 0 for s in seqs)
 
 
 class LLMEngine:
@@ -229,15 +240,9 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        seqs = req.seqs
-        if len(seqs) == 1:   # most requests: no generator per output, every step
-            finished = seqs[0].status is SequenceStatus.FINISHED
-            cached = seqs[0].num_cached_tokens or 0
-        else:
-            finished = req.finished
-            cached = min(s.num_cached_tokens or 0 for s in seqs)
+        finished, cached = req.finished, req.num_cached_tokens
         whole = finished or req.params.output_kind == "cumulative"
-        outs = [self._completion(req, seq, whole) for seq in seqs]
+        outs = [self._completion(req, seq, whole) for seq in req.seqs]
         if finished:
             self.requests.pop(req.request_id, None)
             self._counters["requests_finished"] += 1
