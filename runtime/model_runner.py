@@ -135,25 +135,28 @@ class ModelRunner:
         rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)
 
-    def launch(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
-        """Build a step's graph while `prev` runs, then queue it on the device
-        (`mx.async_eval`) and return.
-
-        MLX writes the pool in place only if no queued work still holds its buffer:
-        queued while `prev` runs, every KV write would copy its layer's whole pool
-        array. So the step waits for `prev` before it is queued; its graph was built
-        meanwhile, and its device work overlaps `prev`'s host bookkeeping."""
+    def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
+        """Build a step's graph, forward pass and sampling, lazily: nothing is queued on
+        the device yet, so this runs while `prev` does."""
         logits = self.forward(scheduled, prev=prev)
         seqs = [s.seq for s in scheduled if s.samples]
-        res = sample(logits, seqs) if seqs else None
-        if prev is not None:
-            self.wait()
-        if res is None:
-            mx.async_eval(self.pool.arrays())
+        if not seqs:
             return PendingStep([], None, {})
-        outs = [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+        return PendingStep(seqs, sample(logits, seqs), {seq.seq_id: i for i, seq in enumerate(seqs)})
+
+    def queue(self, pending: "PendingStep", after: "PendingStep | None" = None) -> None:
+        """Queue a built step on the device (`mx.async_eval`) and return.
+
+        MLX writes the pool in place only if no queued work still holds its buffer:
+        queued while `after` runs, every KV write would copy its layer's whole pool
+        array. So the step waits for `after` first; its graph was built meanwhile.
+        Encoding the step's kernels here takes host time, with the GIL released."""
+        if after is not None:
+            self.wait()
+        res = pending.result
+        outs = [] if res is None else [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+                                       if a is not None]
         mx.async_eval(*outs, *self.pool.arrays())
-        return PendingStep(seqs, res, {seq.seq_id: i for i, seq in enumerate(seqs)})
 
     @staticmethod
     def wait() -> None:

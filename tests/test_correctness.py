@@ -11,6 +11,7 @@ import random
 import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime import engine as engine_module
 
 from .conftest import reference_greedy
 
@@ -55,9 +56,12 @@ def test_single_prompt_lengths(arch, length):
     assert engine.stats()["num_blocks_held_by_requests"] == 0
 
 
-def test_concurrent_staggered_prefix_chunked_preempted(arch):
+def test_concurrent_staggered_prefix_chunked_preempted(arch, monkeypatch):
     """20 requests, admitted at staggered steps, sharing prefixes, with a small token
-    budget (chunked prefill) and a pool too small for all of them (preemption)."""
+    budget (chunked prefill) and a pool too small for all of them (preemption). Every
+    step's tokens are processed on the engine's worker thread while the next step is
+    queued (the path of large batches)."""
+    monkeypatch.setattr(engine_module, "OVERLAP_MIN_SEQS", 1)
     name, path = arch
     rng = random.Random(7)
     shared = _prompt(rng, 40)
@@ -121,9 +125,10 @@ def test_unchunked_prefill_matches(model_dirs):
         _check(engine, o, p, TOL["llama"])
 
 
-def test_async_and_sync_scheduling_agree(default_model):
-    """Pipelined steps (the default) and one-step-at-a-time give identical outputs, with
-    stop strings, seeds, n > 1, logprobs and penalties (which force a sync) mixed in."""
+def test_async_and_sync_scheduling_agree(default_model, monkeypatch):
+    """Pipelined steps (the default), pipelined steps whose tokens are processed on the
+    worker thread, and one-step-at-a-time give identical outputs, with stop strings,
+    seeds, n > 1, logprobs and penalties (which force a sync) mixed in."""
     reqs = [
         ("The river", SamplingParams(temperature=0, max_tokens=30, stop=["mill"], logprobs=2)),
         ("The baker", SamplingParams(temperature=0.9, max_tokens=25, seed=5, n=3)),
@@ -131,7 +136,8 @@ def test_async_and_sync_scheduling_agree(default_model):
         ("Hello!", SamplingParams(temperature=0.7, max_tokens=40, seed=11, top_p=0.9, top_k=20)),
     ]
     results = []
-    for async_scheduling in (False, True):
+    for async_scheduling, overlap_min_seqs in ((False, 10**9), (True, 10**9), (True, 1)):
+        monkeypatch.setattr(engine_module, "OVERLAP_MIN_SEQS", overlap_min_seqs)
         eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=128,
                                      async_scheduling=async_scheduling))
         outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
@@ -139,7 +145,7 @@ def test_async_and_sync_scheduling_agree(default_model):
                           [(lp.token_id, round(lp.logprob, 5)) for lp in (o.logprobs or [])])
                          for o in r.outputs] for r in outs])
         assert eng.stats()["num_blocks_held_by_requests"] == 0
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert results[0][0][0][2] == "stop" and "mill" not in results[0][0][0][0]
 
 

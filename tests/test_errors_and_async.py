@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from runtime import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from runtime import engine as engine_module
 from runtime.errors import (EmptyPromptError, EngineDeadError, EngineError, EngineStepError,
                             InvalidSamplingParamsError, PromptTooLongError, TokenOutOfVocabularyError,
                             UnsupportedModelError, DuplicateRequestError)
@@ -227,6 +228,43 @@ def test_failed_step_aborts_its_requests_and_the_engine_goes_on(default_model, e
         assert s["step_failures"] == 1 and s["num_blocks_held_by_requests"] == 0
     finally:
         eng.shutdown()
+
+
+def test_failure_queuing_a_step_keeps_the_outputs_processed_meanwhile(default_model, monkeypatch):
+    """Large steps' tokens are processed on the worker thread while the next step is
+    queued. If queuing fails (out of device memory), a request that finished in those
+    tokens has left the engine, so `recover` cannot fail it: its output must still come
+    out, with the next step, and no block may stay held."""
+    monkeypatch.setattr(engine_module, "OVERLAP_MIN_SEQS", 1)
+    eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = eng.generate(["The baker"], short)[0].outputs[0].token_ids
+    eng.add_request("short", "The baker", short)
+    eng.add_request("long", "A river", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    seq = eng.requests["short"].seqs[0]
+    runner, real_finish_step = eng.runner, eng._finish_step
+
+    def out_of_memory(pending, after=None):
+        raise RuntimeError("[cuda::malloc] out of memory")
+
+    def finish_step(pending, then=None):
+        last = seq.num_prompt_tokens + short.max_tokens - 1
+        if then is not None and any(s is seq and p == last for s, p in zip(pending.seqs, pending.positions)):
+            monkeypatch.setattr(runner, "queue", out_of_memory)
+        return real_finish_step(pending, then)
+
+    monkeypatch.setattr(eng, "_finish_step", finish_step)
+    outs = {}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        while eng.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in eng.step())
+    monkeypatch.undo()
+    assert eng.recover() == ["long"]
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in eng.step())
+    assert outs["short"].finished and outs["short"].outputs[0].token_ids == want
+    assert not outs["long"].finished
+    assert eng.stats()["num_blocks_held_by_requests"] == 0
 
 
 def test_steps_that_keep_failing_stop_the_engine(default_model):
