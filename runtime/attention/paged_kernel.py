@@ -3,7 +3,10 @@ and `metal` (`mx.fast.metal_kernel`).
 
 One thread block per (sequence, KV head, split): it reads that head's keys and values
 straight from the block pool through the block table, serves every query head of the
-GQA group from one load, and keeps an online softmax per warp. Long contexts are split
+GQA group from one load, and keeps an online softmax per group of lanes. A key is read
+by a few lanes (8 for head_dim 64), so a warp reads several keys a step: one key a
+warp, each lane holding two elements, kept too few loads in flight and reached under
+half the copy bandwidth. Long contexts are split
 along the sequence (flash-decoding); a second small kernel merges the splits' partial
 sums and writes the output in the query's dtype; with one split (a batch big enough to
 fill the GPU) the attention kernel writes the output itself. At most two kernels a
@@ -45,37 +48,69 @@ _SOURCE = """
     const int end = min(ctx, start + chunk);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    constexpr int E = D / 32;
+    constexpr int V = D / LPT;        // elements of a key each lane holds
+    constexpr int TPW = 32 / LPT;     // keys a warp reads per step
+    const int sub = lane / LPT;       // which of them this lane reads
+    const int part = lane % LPT;      // which V elements of it
     const float NEG_INF = -__int_as_float(0x7f800000);
 
-    float qv[G][E];
-    float m[G], l[G], acc[G][E];
+    float qv[G][V];
+    float m[G], l[G], acc[G][V];
     for (int g = 0; g < G; ++g) {
-        const long qoff = ((long)b * n_heads + h_kv * G + g) * D + lane * E;
-        for (int e = 0; e < E; ++e) {
+        const long qoff = ((long)b * n_heads + h_kv * G + g) * D + part * V;
+        for (int e = 0; e < V; ++e) {
             qv[g][e] = static_cast<float>(q[qoff + e]) * scale[0];
             acc[g][e] = 0.f;
         }
         m[g] = NEG_INF;
         l[g] = 0.f;
     }
-    for (int j = start + warp; j < end; j += NW) {
-        const int blk = block_tables[b * n_tab + j / BS];
-        const long base = ((long)(blk * BS + j % BS) * n_kv + h_kv) * D + lane * E;
-        float kv[E], vv[E];
-        for (int e = 0; e < E; ++e) {
-            kv[e] = static_cast<float>(k_pool[base + e]);
-            vv[e] = static_cast<float>(v_pool[base + e]);
+    // Every lane runs every step (the shuffles need the whole warp); a lane past the
+    // end reads nothing and keeps its state.
+    for (int j0 = start + warp * TPW; j0 < end; j0 += NW * TPW) {
+        const int j = j0 + sub;
+        const bool valid = j < end;
+        float kv[V], vv[V];
+        if (valid) {
+            const int blk = block_tables[b * n_tab + j / BS];
+            const long base = ((long)(blk * BS + j % BS) * n_kv + h_kv) * D + part * V;
+            for (int e = 0; e < V; ++e) {
+                kv[e] = static_cast<float>(k_pool[base + e]);
+                vv[e] = static_cast<float>(v_pool[base + e]);
+            }
+        } else {
+            for (int e = 0; e < V; ++e) {
+                kv[e] = 0.f;
+                vv[e] = 0.f;
+            }
         }
         for (int g = 0; g < G; ++g) {
             float s = 0.f;
-            for (int e = 0; e < E; ++e) s += qv[g][e] * kv[e];
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-            const float m_new = fmaxf(m[g], s);
-            const float corr = __expf(m[g] - m_new);
-            const float p = __expf(s - m_new);
-            l[g] = l[g] * corr + p;
-            for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vv[e];
+            for (int e = 0; e < V; ++e) s += qv[g][e] * kv[e];
+            for (int off = LPT / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            if (valid) {
+                const float m_new = fmaxf(m[g], s);
+                const float corr = __expf(m[g] - m_new);
+                const float p = __expf(s - m_new);
+                l[g] = l[g] * corr + p;
+                for (int e = 0; e < V; ++e) acc[g][e] = acc[g][e] * corr + p * vv[e];
+                m[g] = m_new;
+            }
+        }
+    }
+    // Merge the warp's TPW partial softmaxes (lanes LPT apart hold the same elements).
+    for (int off = LPT; off < 32; off <<= 1) {
+        for (int g = 0; g < G; ++g) {
+            const float m_o = __shfl_xor_sync(0xffffffff, m[g], off);
+            const float l_o = __shfl_xor_sync(0xffffffff, l[g], off);
+            const float m_new = fmaxf(m[g], m_o);
+            const float c = (m[g] == NEG_INF) ? 0.f : __expf(m[g] - m_new);
+            const float c_o = (m_o == NEG_INF) ? 0.f : __expf(m_o - m_new);
+            l[g] = l[g] * c + l_o * c_o;
+            for (int e = 0; e < V; ++e) {
+                const float a_o = __shfl_xor_sync(0xffffffff, acc[g][e], off);
+                acc[g][e] = acc[g][e] * c + a_o * c_o;
+            }
             m[g] = m_new;
         }
     }
@@ -88,7 +123,9 @@ _SOURCE = """
             sm_m[warp][g] = m[g];
             sm_l[warp][g] = l[g];
         }
-        for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+        if (sub == 0) {
+            for (int e = 0; e < V; ++e) sm_acc[warp][g][part * V + e] = acc[g][e];
+        }
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
@@ -167,8 +204,8 @@ def available(dialect: str) -> bool:
 def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the kernel cannot serve this geometry, or None; `resolve_backend` then
     refuses the kernel for the model."""
-    if head_dim % 32:
-        return f"head_dim {head_dim} is not a multiple of 32"
+    if head_dim % 32 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 32 up to 256"
     if heads % kv_heads:
         return f"{heads} heads do not split into {kv_heads} KV-head groups"
     return None
@@ -194,6 +231,16 @@ def _scale_array(scale: float) -> mx.array:
     return a
 
 
+def lanes_per_key(head_dim: int) -> int:
+    """Lanes sharing one key: the fewest (a power of two) that leave each at most 8
+    elements, so a warp reads several keys per step and each lane keeps up to 16 loads
+    in flight rather than 2."""
+    n = 1
+    while head_dim // n > 8 or head_dim % n:
+        n *= 2
+    return n
+
+
 def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
     by_work = -(-TARGET_BLOCKS // (batch * kv_heads))
     by_length = max(1, max_context // MIN_SPLIT_TOKENS)
@@ -211,7 +258,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
     splits = num_splits(b, n_kv, max_context)
     call = dict(inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
                 grid=(WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
-    template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)]
+    template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS), ("LPT", lanes_per_key(d))]
     if splits == 1:
         final = _kernel(dialect, "paged_decode_attention_final", _INPUTS, ["out"], _ATTENTION_FINAL)
         return final(**call, template=template + [("T", q.dtype)],
