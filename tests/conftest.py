@@ -57,3 +57,18 @@ def reference_greedy(path, prompt_ids, max_tokens):
         if len(out) == max_tokens:
             break
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def rope_cannot_launch(head_dim: int, rows: int = 256) -> bool:
+    """MLX 0.32's CUDA `mx.fast.rope` fails to launch (`cudaGraphAddKernelNode ...
+    invalid argument`) for head_dim 16 on a few hundred rows, whatever the offsets or
+    layout; head_dim 32 and 64 run. The test models have head_dim 16, so the tests that
+    pack that many rows into one step skip where this happens (real models are not
+    affected). False on the CPU and on Metal."""
+    x = mx.zeros((rows, 4, 1, head_dim))
+    try:
+        mx.eval(mx.fast.rope(x, head_dim, traditional=False, base=10000.0, scale=1.0, offset=0))
+    except RuntimeError:
+        return True
+    return False
