@@ -10,7 +10,7 @@ import pytest
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.attention import build_metadata, check_backend, gather, resolve_backend
 from runtime.attention import paged_kernel
-from runtime.attention import _decode_problem
+from runtime.attention import decode_problem
 
 from .conftest import reference_greedy
 
@@ -74,7 +74,7 @@ def test_kernel_cases_cover_one_and_several_splits():
 @pytest.mark.parametrize("dtype, tol", [(mx.float32, 2e-3), (mx.bfloat16, 3e-2)])
 @pytest.mark.parametrize("batch, context, heads, kv_heads, head_dim", CUDA_CASES)
 def test_cuda_kernel_matches_gather(dtype, tol, batch, context, heads, kv_heads, head_dim):
-    q, k, v, g = _decode_problem(batch, context, heads, kv_heads, head_dim, 16, dtype, seed=batch)
+    q, k, v, g = decode_problem(batch, context, heads, kv_heads, head_dim, 16, dtype, seed=batch)
     scale = head_dim ** -0.5
     want = gather.attend_group(q, k, v, g, scale, 16).astype(mx.float32)
     got = paged_kernel.attend_cuda(q, k, v, g, scale, 16).astype(mx.float32)

@@ -39,7 +39,7 @@ def get_backend(name: str) -> AttendFn:
                          f"{sorted(BACKENDS) + ['auto']}") from None
 
 
-def _decode_problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
+def decode_problem(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
                     block_size: int, dtype, seed: int = 0):
     """A random decode group over a random pool, contexts spread up to `context`."""
     rng = np.random.default_rng(seed)
@@ -74,13 +74,13 @@ def check_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_siz
     scale = head_dim ** -0.5
     try:
         for b, ctx in ((3, 40), (5, 700)):
-            q, k, v, g = _decode_problem(b, ctx, heads, kv_heads, head_dim, block_size, dtype, seed=b)
+            q, k, v, g = decode_problem(b, ctx, heads, kv_heads, head_dim, block_size, dtype, seed=b)
             want = gather.attend_group(q, k, v, g, scale, block_size).astype(mx.float32)
             got = fn(q, k, v, g, scale, block_size).astype(mx.float32)
             err = float(mx.abs(got - want).max().item())
             if not err <= tol:
                 return False, f"{name} differs from gather by {err:.3g} (tolerance {tol})"
-        q, k, v, g = _decode_problem(batch, context, heads, kv_heads, head_dim, block_size, dtype)
+        q, k, v, g = decode_problem(batch, context, heads, kv_heads, head_dim, block_size, dtype)
         t_kernel = _time(lambda: fn(q, k, v, g, scale, block_size))
         t_gather = _time(lambda: gather.attend_group(q, k, v, g, scale, block_size))
     except Exception as e:  # a kernel that fails to compile or run is not used
