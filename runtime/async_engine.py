@@ -230,6 +230,8 @@ class AsyncEngine:
                 w.put_threadsafe(dead)
             self._waiters.clear()
             return
+        finally:
+            self.engine.close()   # the engine's worker thread goes with its loop
         gone = RequestAbortedError("the engine shut down")
         for w in self._waiters.values():
             w.put_threadsafe(gone)

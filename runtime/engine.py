@@ -180,6 +180,13 @@ class LLMEngine:
         self._counters["step_failures"] += 1
         return failed
 
+    def close(self) -> None:
+        """Stop the token-processing worker thread, if one was started. The engine can
+        still step afterwards: the next large step starts a new one."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None or bool(self._undelivered)
 

@@ -267,6 +267,33 @@ def test_failure_queuing_a_step_keeps_the_outputs_processed_meanwhile(default_mo
     assert eng.stats()["num_blocks_held_by_requests"] == 0
 
 
+def test_async_shutdown_stops_the_token_worker(default_model, monkeypatch):
+    """The worker thread that processes large steps' tokens ends with the engine loop."""
+    import threading
+
+    monkeypatch.setattr(engine_module, "OVERLAP_MIN_SEQS", 1)
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
+
+    async def run(i):
+        async for o in eng.generate(f"Question {i}", SamplingParams(max_tokens=6, ignore_eos=True)):
+            last = o
+        return last
+
+    async def main():
+        return await asyncio.gather(*(run(i) for i in range(4)))
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("engine-tokens")]
+
+    before = set(workers())
+    try:
+        assert all(o.finished for o in asyncio.run(main()))
+        assert set(workers()) - before, "the steps were meant to use the worker thread"
+    finally:
+        eng.shutdown()
+    assert not set(workers()) - before
+
+
 def test_steps_that_keep_failing_stop_the_engine(default_model):
     eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
     eng.engine.runner.collect = _FailingCollect(eng.engine.runner, 100)
