@@ -230,14 +230,15 @@ class LLMEngine:
         tokens = self.runner.collect(pending)
         if then is None:
             return self._process(pending, tokens)
+        # `then` may be queued only once `pending` is done (see `ModelRunner.queue`). Wait
+        # before any hand-off: returning from an MLX call takes the GIL back, and the
+        # worker holds it while it runs.
+        self.runner.wait()
         if len(tokens) < OVERLAP_MIN_SEQS:
-            self.runner.queue(then, after=pending)
+            self.runner.queue(then)
             return self._process(pending, tokens)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="engine-tokens")
-        # Wait before the hand-off: returning from any MLX call takes the GIL back, and
-        # the worker holds it while it runs.
-        self.runner.wait()
         done = self._worker.submit(self._process, pending, tokens)
         try:
             self.runner.queue(then)

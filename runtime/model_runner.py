@@ -144,15 +144,13 @@ class ModelRunner:
             return PendingStep([], None, {})
         return PendingStep(seqs, sample(logits, seqs), {seq.seq_id: i for i, seq in enumerate(seqs)})
 
-    def queue(self, pending: "PendingStep", after: "PendingStep | None" = None) -> None:
-        """Queue a built step on the device (`mx.async_eval`) and return.
+    def queue(self, pending: "PendingStep") -> None:
+        """Queue a built step on the device (`mx.async_eval`) and return. Encoding the
+        step's kernels here takes host time, with the GIL released.
 
-        MLX writes the pool in place only if no queued work still holds its buffer:
-        queued while `after` runs, every KV write would copy its layer's whole pool
-        array. So the step waits for `after` first; its graph was built meanwhile.
-        Encoding the step's kernels here takes host time, with the GIL released."""
-        if after is not None:
-            self.wait()
+        Call `wait()` first if a step is still running: MLX writes the pool in place
+        only if no queued work still holds its buffer, and queued behind a running
+        step, every KV write would copy its layer's whole pool array."""
         res = pending.result
         outs = [] if res is None else [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
                                        if a is not None]

@@ -244,7 +244,7 @@ def test_failure_queuing_a_step_keeps_the_outputs_processed_meanwhile(default_mo
     seq = eng.requests["short"].seqs[0]
     runner, real_finish_step = eng.runner, eng._finish_step
 
-    def out_of_memory(pending, after=None):
+    def out_of_memory(pending):
         raise RuntimeError("[cuda::malloc] out of memory")
 
     def finish_step(pending, then=None):
