@@ -9,11 +9,11 @@ projection becomes a slice of the fused one, and the first slice called on an in
 computes the fused matmul for the others. A slice called on another input computes
 its own, so a model that feeds its projections different inputs stays correct.
 
-Prefill chunks are compute-bound and gain nothing from fewer launches, and fused they
-were slower (a 16k-token step 26 % slower on an H200; the cause is not isolated:
-perhaps the strided slices of the wide output feeding what follows). There each slice
-runs its own layer over its rows of the fused weights (views, no copies): the same
-matmul as before fusing.
+Prefill chunks are compute-bound and gain nothing from fewer launches. One H200
+measurement found them slower fused (a 16k-token step 126 vs 99 ms); the bench's own
+run later did not (`fuse_projections_gpu.json`: 98.7 vs 98.0 ms). Until that is
+settled, each slice runs its own layer over its rows of the fused weights above
+`FUSED_MAX_ROWS` (views, no copies): the same matmul as before fusing.
 """
 
 from functools import partial
