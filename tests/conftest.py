@@ -72,3 +72,9 @@ def rope_cannot_launch(head_dim: int, rows: int = 256) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+# For tests that pack a few hundred rows of a head_dim-16 test model into one step.
+needs_rope16_launch = pytest.mark.skipif(
+    rope_cannot_launch(16), reason="MLX's CUDA rope cannot launch head_dim 16 on a few hundred rows "
+                                   "(conftest.rope_cannot_launch)")

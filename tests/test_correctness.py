@@ -13,7 +13,7 @@ import pytest
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
 
-from .conftest import reference_greedy, rope_cannot_launch
+from .conftest import needs_rope16_launch, reference_greedy
 
 TOL = {"llama": 2e-4, "qwen3": 2e-4, "llama-4bit": 4e-3}
 MAX_TOKENS = 12
@@ -115,9 +115,8 @@ def test_static_batching_matches(model_dirs):
         _check(engine, o, p, TOL["qwen3"])
 
 
+@needs_rope16_launch
 def test_unchunked_prefill_matches(model_dirs):
-    if rope_cannot_launch(16):
-        pytest.skip("MLX's CUDA rope cannot launch head_dim 16 on this many rows (conftest)")
     path = model_dirs["llama"]
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=128, enable_chunked_prefill=False,
                                     max_num_batched_tokens=4096, max_model_len=4096))
@@ -175,13 +174,12 @@ def test_shape_padded_prefill_matches(arch):
         _check(engine, out, ids, TOL[name])
 
 
+@needs_rope16_launch
 def test_auto_compiles_small_gather_decode_batches_only(model_dirs):
     """Under `auto` with `gather`, decode steps of up to 8 sequences go through the
     compiled graph and larger ones run eagerly; outputs stay mlx-lm's either way."""
     from runtime.model_runner import GATHER_COMPILE_MAX_BATCH
 
-    if rope_cannot_launch(16):
-        pytest.skip("MLX's CUDA rope cannot launch head_dim 16 on this many rows (conftest)")
     path = model_dirs["llama"]
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=128, max_num_seqs=12, attention_backend="gather"))
     graph = engine.runner.decode_graph
