@@ -1,6 +1,7 @@
 """Side by side, in one run, on one model: our `serve run` app, our bare engine (no Ray,
 no HTTP), `mlx_lm.server`, and vllm-mlx when it is installed; plus our app with the
-prefix cache off, and (on CUDA) with gather instead of kernel attention.
+prefix cache off, with its engine loop on a thread of the replica instead of its own
+process, and (on CUDA) with gather instead of kernel attention.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -63,11 +64,13 @@ class Target:
 
 
 # -- the systems ---------------------------------------------------------------------------
-def our_app_config(model: str, engine: dict) -> dict:
-    """The shipped `configs/config.yaml` application, on `model`, with `engine` on top."""
+def our_app_config(model: str, engine: dict, **app_args) -> dict:
+    """The shipped `configs/config.yaml` application, on `model`, with `engine` and
+    `app_args` on top."""
     app = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]
     args = dict(app["args"])
-    args.update(model=model, served_model_name="default", engine={**args.get("engine", {}), **engine})
+    args.update(model=model, served_model_name="default", engine={**args.get("engine", {}), **engine},
+                **app_args)
     return {**app, "args": args}
 
 
@@ -81,10 +84,10 @@ def _metrics_sampler(base: str):
 
 
 @contextmanager
-def ours(model: str, engine: dict, name: str, extra: dict):
+def ours(model: str, engine: dict, name: str, extra: dict, **app_args):
     from tests.serving import ServeRun
 
-    run = ServeRun([our_app_config(model, engine)], timeout=900)
+    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900)
     try:
         yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
                      f"serve run, start-up {run.startup_s:.0f} s")
@@ -426,7 +429,8 @@ def main(argv=None):
     ap.add_argument("--model", default="default", help="'default', 'llama-1b' (random, bf16) or a path")
     ap.add_argument("--tag", default="cpu", help="results go to compare_<tag>.json/png")
     ap.add_argument("--systems", nargs="+", default=["mlx_lm.server", "ours", "ours-bare-engine",
-                                                     "ours-no-apc", "vllm-mlx", "ours-gather"])
+                                                     "ours-no-apc", "vllm-mlx", "ours-gather",
+                                                     "ours-engine-thread"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -519,6 +523,12 @@ def main(argv=None):
                 for c in args.concurrency:
                     rows.append(to_row(t, "random (attention=gather)", measure(t, wl.random(c), concurrency=c),
                                        attention_backend="gather"))
+        elif name == "ours-engine-thread":
+            with ours(model, engine, "ours", extra, engine_process=False) as t:
+                warm_up(t, wl)
+                for c in args.concurrency:
+                    rows.append(to_row(t, "random (engine on a thread)", measure(t, wl.random(c), concurrency=c),
+                                       engine_process=False))
         for r in rows[n_before:]:
             r["source"] = name
         out.write_text(json.dumps(rows, indent=1))       # a run cut short keeps what it measured

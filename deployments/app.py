@@ -64,8 +64,12 @@ class AppArgs(BaseModel):
                                   "streams / cap, since per-chunk Ray messages otherwise slow the "
                                   "engine; 0 for no cap")
 
+    engine_process: bool = Field(
+        True, description="run each LLMServer's engine loop in a process of its own, so Ray's "
+                          "per-message work in the replica and the engine's host work of a step "
+                          "do not take turns on one GIL; false runs it on a thread of the replica")
     pin_cpus: Optional[int] = Field(
-        None, ge=1, description="pin each LLMServer's engine thread (and MLX's threads) to this "
+        None, ge=1, description="pin each LLMServer's engine (and MLX's threads) to this "
                                 "many CPUs, replica rank r taking CPUs [r * n, (r + 1) * n) modulo "
                                 "the host's count: for MLX's CPU backend when several replicas "
                                 "share one host (Linux); Ray's own threads stay unpinned")
@@ -109,4 +113,4 @@ def build_app(args: AppArgs) -> serve.Application:
     server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress))
     return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3, args.pin_cpus,
-                                   args.max_stream_chunks_per_s), settings)
+                                   args.max_stream_chunks_per_s, args.engine_process), settings)

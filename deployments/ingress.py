@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.errors import InvalidRequestError, PromptTooLongError
+from runtime.models.loader import load_tokenizer
 
 from .metrics import Metrics, RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest, chat_prompt_ids, error_body
@@ -62,7 +63,7 @@ class OpenAIIngress:
         self.s = settings
         self.model_name = settings["served_model_name"]
         self.api_keys = [k.encode() for k in settings.get("api_keys") or []]
-        self.tokenizer = _load_tokenizer(settings["model"])
+        self.tokenizer = load_tokenizer(settings["model"])
         self.metrics = Metrics(self.model_name)
         self._info: dict | None = None
 
@@ -429,17 +430,3 @@ def _sse(events) -> StreamingResponse:
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _load_tokenizer(model: str):
-    """The tokenizer alone (no weights), from a directory or a hub repo."""
-    from pathlib import Path
-
-    from mlx_lm.utils import load_tokenizer
-
-    path = Path(model)
-    if not path.exists():
-        from huggingface_hub import snapshot_download
-        path = Path(snapshot_download(model, allow_patterns=["*.json", "*.model", "*.txt", "*.jinja",
-                                                             "*.tiktoken", "tokenizer*"]))
-    return load_tokenizer(path)

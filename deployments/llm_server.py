@@ -35,11 +35,11 @@ def pin_current_thread(cpus: set[int]) -> bool:
     """Restrict the calling thread, and the threads it starts (MLX's among them), to
     `cpus`. False where the OS has no CPU affinity (macOS).
 
-    Only the engine's thread is pinned, not the process: Ray's own threads (gRPC,
-    event loops) stay free to run on any core, and pinning them beside the engine
-    starved the engine of requests. Ray starts workers at nice 15; a pinned engine
-    cannot move off a core that a nice-0 process also wants, so it returns to nice 0
-    where the OS allows."""
+    Only the engine is pinned (its process's main thread, or its thread in the
+    replica), never Ray's own threads (gRPC, event loops): they stay free to run on any
+    core, and pinning them beside the engine starved the engine of requests. Ray starts
+    workers at nice 15; a pinned engine cannot move off a core that a nice-0 process
+    also wants, so it returns to nice 0 where the OS allows."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     os.sched_setaffinity(0, cpus)
@@ -61,7 +61,8 @@ def _pin_engine_thread(rank: int, cpus: set[int]) -> None:
 
 class LLMServer:
     def __init__(self, engine_config: dict, stream_interval_s: float = 0.0,
-                 pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0):
+                 pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0,
+                 engine_process: bool = True):
         rank = 0
         try:
             from ray import serve
@@ -73,7 +74,7 @@ class LLMServer:
         on_start = None
         if pin_cpus:
             on_start = partial(_pin_engine_thread, rank, rank_cpus(rank, pin_cpus, os.cpu_count() or 1))
-        self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start)
+        self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start, process=engine_process)
         self.stream_interval_s = stream_interval_s
         self.max_stream_chunks_per_s = max_stream_chunks_per_s
         self._ids = itertools.count()

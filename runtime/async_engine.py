@@ -1,12 +1,13 @@
-"""`AsyncEngine`: the engine on one background thread, for asyncio servers.
+"""`AsyncEngine`: the engine for asyncio servers.
 
-The thread owns all MLX work: it builds the `LLMEngine`, and runs its step loop.
-Callers talk to it through a command queue; outputs come back to each caller's event
-loop. Cancelling a `generate()` iterator (a client went away) aborts the request and
-frees its blocks. A step that raises (out of device memory, say) fails the requests it
-was running with `EngineStepError` and the loop goes on; if steps keep failing, or the
-loop dies otherwise, every waiter gets `EngineDeadError` and `check_health()` raises,
-so the replica can be restarted.
+The engine's step loop (`EngineLoop`) runs on a background thread, or with
+`process=True` in an engine process of its own (engine_process.py), and owns all MLX
+work. Callers' requests go to it as commands; its events come back as each caller's
+stream in the caller's event loop. Cancelling a `generate()` iterator (a client went
+away) aborts the request and frees its blocks. A step that raises (out of device
+memory, say) fails the requests it was running with `EngineStepError` and the loop
+goes on; if steps keep failing, or the loop or its process dies, every waiter gets
+`EngineDeadError` and `check_health()` raises, so the replica can be restarted.
 """
 
 import asyncio
@@ -14,21 +15,15 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine_loop import EngineLoop
 from .errors import EngineDeadError, EngineStepError, RequestAbortedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-HASH_SNAPSHOT_PERIOD_S = 0.5
-HASH_SNAPSHOT_LIMIT = 8192
-# A step that fails aborts its requests and the engine carries on; this many failures
-# with no tokens delivered between them mean the engine cannot work: the loop stops.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 _ids = itertools.count()
 
 
@@ -92,39 +87,61 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 600.0,
-                 on_start: Callable[[], None] | None = None):
-        """`on_start` runs first on the engine thread, before the model loads (to pin
-        that thread, say)."""
+                 on_start: Callable[[], None] | None = None, process: bool = False):
+        """`on_start` runs first where the loop runs, before the model loads (to pin
+        that thread or process, say). `process` runs the loop in its own process."""
         self.config = config or EngineConfig()
-        self._on_start = on_start
-        self._commands: queue.Queue = queue.Queue()
+        self.process = process
         self._waiters: dict[str, _Stream] = {}
-        self._error: BaseException | None = None
-        self._stopping = False
+        self._error: str | BaseException | None = None
+        self._info: dict = {}
         self._stats: dict = {}
         self._hashes: list[bytes] = []
-        self._hashes_at = 0.0
+        self._tokenizer = None
         self.live_streams = 0   # generate() calls in progress
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
-        self._thread.start()
+        if process:
+            from .engine_process import EngineProcess
+            self._core = EngineProcess(self.config, self._on_events, on_start)
+            self._send = self._core.send
+        else:
+            self._loop = EngineLoop(self.config, on_start)
+            self._commands: queue.Queue = queue.Queue()
+            self._send = self._commands.put
+            self._thread = threading.Thread(target=self._loop.run, args=(self._recv, self._on_events),
+                                            name="mlx-engine", daemon=True)
+            self._thread.start()
         if not self._ready.wait(start_timeout):
+            self.shutdown(timeout=1.0)
             raise TimeoutError("engine did not start in time")
         if self._error is not None:
-            raise self._error
+            raise self._error if isinstance(self._error, BaseException) else EngineDeadError(self._error)
 
     # -- public API -----------------------------------------------------------------
     @property
+    def engine(self):
+        """The `LLMEngine` itself, where it runs on this process's thread."""
+        if self.process:
+            raise AttributeError("the engine runs in its own process")
+        return self._loop.engine
+
+    @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        if self._tokenizer is None:
+            if self.process:
+                from .models.loader import load_tokenizer
+                self._tokenizer = load_tokenizer(self.config.model)
+            else:
+                self._tokenizer = self._loop.engine.tokenizer
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._info["max_model_len"]
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self._info["vocab_size"]
 
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -142,7 +159,11 @@ class AsyncEngine:
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(("add", request_id, stream, dict(
+        if request_id in self._waiters:
+            from .errors import DuplicateRequestError
+            raise DuplicateRequestError(request_id)
+        self._waiters[request_id] = stream
+        self._send(("add", request_id, dict(
             prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
             priority=priority, cache_salt=cache_salt)))
         finished = False
@@ -164,11 +185,13 @@ class AsyncEngine:
         finally:
             stream.close()
             self.live_streams -= 1
+            if self._waiters.get(request_id) is stream:
+                self._waiters.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id, None, None))
+                self._send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None, None))
+        self._send(("abort", request_id))
 
     def stats(self) -> dict:
         """The latest snapshot, refreshed after every step and every command."""
@@ -180,109 +203,80 @@ class AsyncEngine:
         return self._hashes[:limit]
 
     def check_health(self) -> None:
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"engine loop stopped: {self._error!r}")
+        alive = self._core.alive() if self.process else self._thread.is_alive()
+        if self._error is not None or not alive:
+            raise EngineDeadError(f"engine loop stopped: {self._error!s}")
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._commands.put(("stop", None, None, None))
-        self._thread.join(timeout)
+        if self.process:
+            self._core.close(timeout)
+        else:
+            self._send(("stop",))
+            self._thread.join(timeout)
 
-    # -- engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- the loop's side ---------------------------------------------------------------
+    def _recv(self, block: bool) -> list:
+        """The thread loop's commands: all that are queued, waiting a while for one if
+        `block`."""
         try:
-            if self._on_start is not None:
-                self._on_start()
-            self.engine = LLMEngine(self.config)
-            self._stats = self.engine.stats()
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        failures = 0
-        try:
-            while not self._stopping:
-                busy = self.engine.has_unfinished_requests()
-                self._drain(block=not busy)
-                if self.engine.has_unfinished_requests():
-                    try:
-                        outputs = self.engine.step()
-                        if outputs:   # a step only launched proves nothing yet
-                            failures = 0
-                    except Exception as e:
-                        failures += 1
-                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                            raise
-                        log.exception("engine step failed; aborting the requests it ran")
-                        self._fail(self.engine.recover(), e)
-                        outputs = []
-                    self._dispatch(outputs)
-                self._stats = self.engine.stats()
-                if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
-                    self._hashes = self.engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)
-                    self._hashes_at = time.monotonic()
-        except BaseException as e:
-            log.exception("engine loop died")
-            self._error = e
-            dead = EngineDeadError(f"engine loop stopped: {e!r}")
-            for w in self._waiters.values():
-                w.put_threadsafe(dead)
-            self._waiters.clear()
-            return
-        finally:
-            self.engine.close()   # the engine's worker thread goes with its loop
-        gone = RequestAbortedError("the engine shut down")
-        for w in self._waiters.values():
-            w.put_threadsafe(gone)
-        self._waiters.clear()
-
-    def _drain(self, block: bool) -> None:
-        try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmds = [self._commands.get(timeout=0.5) if block else self._commands.get_nowait()]
         except queue.Empty:
-            return
+            return []
         while True:
-            self._handle(*cmd)
             try:
-                cmd = self._commands.get_nowait()
+                cmds.append(self._commands.get_nowait())
             except queue.Empty:
-                break
-        self._stats = self.engine.stats()
+                return cmds
 
-    def _handle(self, kind, request_id, stream, kwargs) -> None:
-        if kind == "add":
-            try:
-                self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"), **kwargs)
-            except Exception as e:
-                stream.put_threadsafe(e)
-                return
-            self._waiters[request_id] = stream
-        elif kind == "abort":
-            self.engine.abort(request_id)
-            self._waiters.pop(request_id, None)
-        elif kind == "stop":
-            self._stopping = True
-
-    def _fail(self, request_ids: list[str], error: Exception) -> None:
-        for rid in request_ids:
-            w = self._waiters.pop(rid, None)
-            if w is not None:
-                w.put_threadsafe(EngineStepError(f"the engine step running this request failed ({error!r}); "
-                                                 "it was aborted and its KV blocks freed"))
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """One wake-up per event loop per step, not one per request: a thread-safe
-        call writes to the loop's self-pipe, and at hundreds of requests per step those
-        writes and wake-ups would cost more than the step's scheduling."""
+    def _on_events(self, events: list) -> None:
+        """Runs on the loop's thread, or on the thread that receives from the engine
+        process. Outputs reach each event loop with one wake-up per step, not one per
+        request: a thread-safe call writes to the loop's self-pipe, and at hundreds of
+        requests per step those writes and wake-ups would cost more than the step's
+        scheduling."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            w = self._waiters.get(out.request_id)
-            if w is None:
-                continue
-            batches.setdefault(w.loop, []).append((w, out))
-            if out.finished:
-                del self._waiters[out.request_id]
+        for ev in events:
+            kind = ev[0]
+            if kind == "outputs":
+                for out in ev[1]:
+                    w = self._waiters.get(out.request_id)
+                    if w is None:
+                        continue
+                    batches.setdefault(w.loop, []).append((w, out))
+                    if out.finished:
+                        self._waiters.pop(out.request_id, None)
+            elif kind == "stats":
+                self._stats = ev[1]
+            elif kind == "hashes":
+                self._hashes = ev[1]
+            elif kind == "rejected":
+                w = self._waiters.pop(ev[1], None)
+                if w is not None:
+                    batches.setdefault(w.loop, []).append((w, ev[2]))
+            elif kind == "failed":
+                err = EngineStepError(f"the engine step running this request failed ({ev[2]}); "
+                                      "it was aborted and its KV blocks freed")
+                for rid in ev[1]:
+                    w = self._waiters.pop(rid, None)
+                    if w is not None:
+                        batches.setdefault(w.loop, []).append((w, err))
+            elif kind == "ready":
+                self._info = ev[1]
+                self._stats = ev[1]["stats"]
+                self._ready.set()
+            elif kind == "start_failed":
+                self._error = ev[1]
+                self._ready.set()
+            elif kind in ("dead", "stopped"):
+                if kind == "dead":
+                    self._error = ev[1]
+                    err = EngineDeadError(f"engine loop stopped: {ev[1]}")
+                else:
+                    err = RequestAbortedError("the engine shut down")
+                self._ready.set()
+                while self._waiters:
+                    _, w = self._waiters.popitem()
+                    batches.setdefault(w.loop, []).append((w, err))
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

@@ -2,7 +2,21 @@
 
 
 class EngineError(Exception):
-    """Base class of every error the engine raises on purpose."""
+    """Base class of every error the engine raises on purpose.
+
+    Errors cross from the engine process to its server (engine_process.py) by pickle,
+    which rebuilds an exception from its `args`; subclasses whose constructors take
+    other arguments than their message are rebuilt from their state instead."""
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls, args, state):
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return e
 
 
 class InvalidRequestError(EngineError, ValueError):

@@ -108,6 +108,29 @@ def replica_pids(app_name: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def exited(pid: int, timeout: float) -> bool:
+    """Whether process `pid` ends within `timeout` seconds (a zombie has ended: its
+    new parent may not reap it at once)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            if Path("/proc/self").exists() and \
+                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def engine_pids(replica_pid: int) -> list[int]:
+    """PIDs of the engine processes a replica started."""
+    out = subprocess.run(["pgrep", "-P", str(replica_pid), "-f", "runtime.engine_process"],
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
 def app(name: str, route_prefix: str, **args) -> dict:
     return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_app",
             "args": args}

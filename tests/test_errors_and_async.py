@@ -75,9 +75,9 @@ def test_unknown_architecture_is_refused(tmp_path, default_model):
         LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=8))
 
 
-@pytest.fixture(scope="module")
-def async_engine(default_model):
-    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=128))
+@pytest.fixture(scope="module", params=[False, True], ids=["loop-on-thread", "loop-in-process"])
+def async_engine(default_model, request):
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=128), process=request.param)
     yield eng
     eng.shutdown()
 
@@ -144,16 +144,17 @@ def test_async_cancel_frees_blocks(async_engine):
             if n == 3:
                 break
         await agen.aclose()
-        for _ in range(200):
+        for _ in range(300):
             s = async_engine.stats()
-            if s["running"] == 0 and s["num_blocks_held_by_requests"] == 0:
+            if s["running"] == 0 and s["num_blocks_held_by_requests"] == 0 and async_engine.cached_block_hashes(8):
                 return s
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02)
         return async_engine.stats()
 
     s = asyncio.run(run())
     assert s["running"] == 0 and s["waiting"] == 0
     assert s["num_blocks_held_by_requests"] == 0
+    assert async_engine.cached_block_hashes(8), "the 95-token prompt's full blocks are cached and reported"
 
 
 def test_async_errors_surface_to_the_caller(async_engine):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app, metric, replica_pids
+from .serving import ServeRun, app, engine_pids, exited, metric, replica_pids
 
 MODEL = "default"
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
@@ -322,6 +322,8 @@ def test_replica_failure_recovers(server):
     url = server.urls["rel"]
     pids = replica_pids("rel")
     assert pids, "no LLMServer replica process found"
+    engines = [e for p in pids for e in engine_pids(p)]
+    assert len(engines) == len(pids), "each replica runs its engine in a process of its own"
 
     async def client(cl, i):
         t = time.monotonic()
@@ -344,6 +346,8 @@ def test_replica_failure_recovers(server):
     print(f"replica killed mid-load; in-flight outcomes: {results}")
     assert all(elapsed < 90 for _, elapsed in results), "a client hung"
     assert all(code in (200, 503) for code, _ in results), results   # an error, or the answer
+    for e in engines:     # a killed replica's engine process exits too: no model left in memory
+        assert exited(e, 30), f"engine process {e} outlived its replica"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         new = replica_pids("rel")

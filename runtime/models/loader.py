@@ -27,6 +27,18 @@ def load(path_or_repo: str, trust_remote_code: bool = False):
     return model, tokenizer, config
 
 
+def load_tokenizer(path_or_repo: str):
+    """The tokenizer alone (no weights), from a directory or a hub repo."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    path = Path(path_or_repo)
+    if not path.exists():
+        from huggingface_hub import snapshot_download
+        path = Path(snapshot_download(path_or_repo, allow_patterns=[
+            "*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]))
+    return mlx_load_tokenizer(path)
+
+
 def check_supported(model, config: dict) -> None:
     """Only plain full-attention KV caches map onto blocks. Sliding-window, chunked,
     quantized-KV and recurrent (SSM) caches are refused with a clear message."""

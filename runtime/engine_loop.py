@@ -1,0 +1,97 @@
+"""`EngineLoop`: the step loop around one `LLMEngine`, the same on a thread of the
+server's process or in an engine process of its own (engine_process.py).
+
+Commands come in between steps: `("add", request_id, kwargs)`, `("abort", request_id)`,
+`("stop",)`. Each turn of the loop reports what happened as one list of events:
+`("ready", info)` or `("start_failed", error)` once; then `("rejected", request_id,
+error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], reason)`,
+`("stats", dict)`, `("hashes", [bytes])`; at the end `("dead", reason)` or
+`("stopped",)`. `AsyncEngine` turns the events into its callers' streams.
+"""
+
+import logging
+import time
+from typing import Callable
+
+from .config import EngineConfig
+from .engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+HASH_SNAPSHOT_PERIOD_S = 0.5
+HASH_SNAPSHOT_LIMIT = 8192
+# A step that fails aborts its requests and the engine carries on; this many failures
+# with no tokens delivered between them mean the engine cannot work: the loop stops.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+Recv = Callable[[bool], list]          # block -> the commands that arrived (waits a while if block)
+Emit = Callable[[list], None]
+
+
+class EngineLoop:
+    def __init__(self, config: EngineConfig, on_start: Callable[[], None] | None = None):
+        """`on_start` runs first, before the model loads (to pin the loop's thread, say)."""
+        self.config = config
+        self.on_start = on_start
+        self.engine: LLMEngine | None = None
+        self._stopping = False
+        self._failures = 0
+        self._hashes_at = 0.0
+
+    def run(self, recv: Recv, emit: Emit) -> None:
+        try:
+            if self.on_start is not None:
+                self.on_start()
+            self.engine = engine = LLMEngine(self.config)
+        except BaseException as e:
+            emit([("start_failed", e)])
+            return
+        emit([("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                         "stats": engine.stats()})])
+        try:
+            while not self._stopping:
+                events: list = []
+                for cmd in recv(not engine.has_unfinished_requests()):
+                    self._apply(cmd, events)
+                if engine.has_unfinished_requests():
+                    self._step(events)
+                events.append(("stats", engine.stats()))
+                if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
+                    events.append(("hashes", engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)))
+                    self._hashes_at = time.monotonic()
+                emit(events)
+        except BaseException as e:
+            log.exception("engine loop died")
+            emit([("dead", repr(e))])
+            return
+        finally:
+            engine.close()   # the engine's worker thread goes with its loop
+        emit([("stopped",)])
+
+    def _apply(self, cmd: tuple, events: list) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, request_id, kwargs = cmd
+            kwargs = dict(kwargs)
+            try:
+                self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"), **kwargs)
+            except Exception as e:
+                events.append(("rejected", request_id, e))
+        elif kind == "abort":
+            self.engine.abort(cmd[1])
+        elif kind == "stop":
+            self._stopping = True
+
+    def _step(self, events: list) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._failures += 1
+            if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            log.exception("engine step failed; aborting the requests it ran")
+            events.append(("failed", self.engine.recover(), repr(e)))
+            return
+        if outputs:   # a step only launched proves nothing yet
+            self._failures = 0
+            events.append(("outputs", outputs))

@@ -1,0 +1,116 @@
+"""The engine loop in its own process (`AsyncEngine(process=True)`, what `LLMServer`
+runs by default): the same outputs and typed errors as the loop on a thread, and no
+engine process outlives its server or hangs a caller when it dies. The async tests of
+test_errors_and_async.py run on both kinds of loop."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runtime import AsyncEngine, EngineConfig, SamplingParams
+from runtime.errors import EngineDeadError, PromptTooLongError, RequestAbortedError
+
+from .serving import exited
+
+
+@pytest.fixture(scope="module")
+def engines(default_model):
+    cfg = EngineConfig(model=default_model, num_gpu_blocks=128)
+    thread, proc = AsyncEngine(cfg), AsyncEngine(cfg, process=True)
+    yield thread, proc
+    thread.shutdown()
+    proc.shutdown()
+
+
+async def _collect(eng, i: int, p: SamplingParams):
+    outs = [o async for o in eng.generate(f"Question {i}: where do the", p)]
+    o = outs[-1].outputs[0]
+    return (o.token_ids, "".join(x.outputs[0].delta_text for x in outs),
+            [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs], outs[-1].num_cached_tokens)
+
+
+def test_process_engine_gives_the_thread_engines_outputs(engines):
+    thread, proc = engines
+    assert proc.process and proc.max_model_len == thread.max_model_len
+    assert proc.vocab_size == thread.vocab_size
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+    async def run(eng):
+        return await asyncio.gather(*(_collect(eng, i, p) for i in range(6)))
+
+    want, got = asyncio.run(run(thread)), asyncio.run(run(proc))
+    assert got == want
+    s = proc.stats()
+    assert s["requests_finished"] >= 6 and s["num_blocks_held_by_requests"] == 0
+    assert proc.tokenizer.encode("Question") == thread.tokenizer.encode("Question")
+
+
+def test_process_engine_raises_typed_errors_with_their_fields(engines):
+    _, proc = engines
+
+    async def run():
+        async for _ in proc.generate(prompt_token_ids=[5] * 10, params=SamplingParams(max_tokens=10**6)):
+            pass
+
+    with pytest.raises(PromptTooLongError) as e:
+        asyncio.run(run())
+    assert e.value.param == "prompt" and e.value.max_model_len == proc.max_model_len
+    proc.check_health()
+
+
+def test_a_dead_engine_process_fails_its_streams_and_health(default_model):
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64), process=True)
+    p = SamplingParams(max_tokens=900, ignore_eos=True)
+
+    async def run():
+        got = 0
+        async for _ in eng.generate("A long story", p):
+            got += 1
+            if got == 2:
+                os.kill(eng._core.proc.pid, signal.SIGKILL)
+        return got
+
+    try:
+        with pytest.raises(EngineDeadError, match="exited"):
+            asyncio.run(asyncio.wait_for(run(), 60))
+        with pytest.raises(EngineDeadError):
+            eng.check_health()
+    finally:
+        eng.shutdown(timeout=5)
+
+
+def test_shutdown_ends_streams_and_reaps_the_engine_process(default_model):
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64), process=True)
+    pid = eng._core.proc.pid
+
+    async def run():
+        agen = eng.generate("Once upon a time", SamplingParams(max_tokens=900, ignore_eos=True))
+        await agen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        async for _ in agen:
+            pass
+
+    with pytest.raises(RequestAbortedError):
+        asyncio.run(asyncio.wait_for(run(), 60))
+    assert eng._core.proc.poll() is not None and exited(pid, 5)
+
+
+def test_the_engine_process_never_outlives_its_server(default_model, tmp_path):
+    """The server is killed outright (no shutdown, no finalizers): its engine process
+    sees its socket close and exits."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from runtime import AsyncEngine, EngineConfig
+        eng = AsyncEngine(EngineConfig(model={default_model!r}, num_gpu_blocks=32), process=True)
+        print(eng._core.proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    child = int(out.stdout.split()[0])
+    assert exited(child, 30), f"engine process {child} outlived its server"
