@@ -21,7 +21,9 @@ from .llm_server import LLMServer
 
 
 class DeploymentArgs(BaseModel):
-    """Ray Serve options of one deployment."""
+    """Ray Serve options of one deployment. `max_ongoing_requests` left out means this
+    deployment's default below, never Serve's own (5), which would hold an LLM replica
+    or the ingress to five requests at a time."""
 
     model_config = ConfigDict(extra="forbid")
     num_replicas: Optional[int] = 1
@@ -43,10 +45,8 @@ class AppArgs(BaseModel):
     served_model_name: Optional[str] = None
     engine: dict[str, Any] = Field(default_factory=dict,
                                    description="EngineConfig fields (runtime/config.py), model aside")
-    llm_server: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(
-        max_ongoing_requests=256, ray_actor_options={"num_cpus": 1}))
-    ingress: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.2}))
+    llm_server: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(ray_actor_options={"num_cpus": 1}))
+    ingress: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(ray_actor_options={"num_cpus": 0.2}))
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth")
     api_keys_env: str = "MLX_PAGED_SERVE_API_KEYS"
     max_request_body_bytes: int = 1 << 20
@@ -85,8 +85,13 @@ class AppArgs(BaseModel):
         return v
 
 
-def _options(d: DeploymentArgs) -> dict:
+LLM_SERVER_MAX_ONGOING = 256   # the engine queues what it cannot run yet, by priority
+INGRESS_MAX_ONGOING = 1024
+
+
+def _options(d: DeploymentArgs, max_ongoing: int) -> dict:
     opts = d.model_dump(exclude_none=True)
+    opts.setdefault("max_ongoing_requests", max_ongoing)
     if d.autoscaling_config:
         opts.pop("num_replicas", None)
     return opts
@@ -110,7 +115,7 @@ def build_app(args: AppArgs) -> serve.Application:
         "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
         "created": int(time.time()),
     }
-    server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server))
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress))
+    server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server, LLM_SERVER_MAX_ONGOING))
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress, INGRESS_MAX_ONGOING))
     return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3, args.pin_cpus,
                                    args.max_stream_chunks_per_s, args.engine_process), settings)

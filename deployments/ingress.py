@@ -145,7 +145,8 @@ class OpenAIIngress:
         backpressure, surface here, before any byte is sent."""
         from ray.serve.exceptions import BackPressureError
 
-        gen = self.llm.options(stream=True).generate.remote(ids, params, body.priority, salt)
+        gen = self.llm.options(stream=True).generate.remote(ids, params, body.priority, salt,
+                                                            not body.stream)
         try:
             first = await gen.__anext__()
         except BackPressureError:

@@ -8,6 +8,7 @@ engine step (`server_error`, which the ingress answers 503 or ends the stream wi
 
 import itertools
 import logging
+import math
 import os
 import threading
 import uuid
@@ -81,7 +82,10 @@ class LLMServer:
         log.info("LLMServer %s ready: %s", self.replica_id, engine_config.get("model"))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None):
+                       priority: int = 0, cache_salt: str | None = None, whole: bool = False):
+        """Streams the request's outputs. `whole` (the client did not ask for a stream):
+        the first output and the last only, two Ray messages instead of one per
+        interval; the first still comes at once, so a bad request fails before any wait."""
         request_id = f"{self.replica_id}-{next(self._ids)}"
         # Before the last output, only deltas travel to the ingress: the cumulative
         # text, token ids and logprobs, and the prompt, would otherwise go again with
@@ -92,7 +96,7 @@ class LLMServer:
             async for out in self.engine.generate(None, params, request_id,
                                                   prompt_token_ids=prompt_token_ids,
                                                   priority=priority, cache_salt=cache_salt,
-                                                  stream_interval_s=self.stream_interval_s,
+                                                  stream_interval_s=math.inf if whole else self.stream_interval_s,
                                                   max_chunks_per_s=self.max_stream_chunks_per_s):
                 if out.finished:
                     out.replica_id = self.replica_id

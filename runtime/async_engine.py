@@ -13,6 +13,7 @@ goes on; if steps keep failing, or the loop or its process dies, every waiter ge
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 from typing import AsyncIterator, Callable
@@ -63,7 +64,7 @@ class _Stream:
             return
         if self._ready():
             self._fut.set_result(None)
-        elif self.pending is not None and self._timer is None:
+        elif self.pending is not None and self._timer is None and self.due != math.inf:
             self._timer = self.loop.call_at(self.due, self._on_timer)
 
     def _on_timer(self) -> None:
@@ -153,8 +154,8 @@ class AsyncEngine:
 
         Outputs that pile up while the caller is busy come merged into one. With
         `stream_interval_s`, after the first output at most one merged output is yielded
-        per interval (the final one at once): fewer, larger chunks for transports that
-        pay per message. `max_chunks_per_s` caps the chunks of all live streams together:
+        per interval (the final one at once; `math.inf`: the first and the last only):
+        fewer, larger chunks for transports that pay per message. `max_chunks_per_s` caps the chunks of all live streams together:
         the interval grows to `live streams / max_chunks_per_s` when that is longer."""
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"

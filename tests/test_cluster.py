@@ -10,7 +10,7 @@ import pytest
 
 from bench.cluster_bench import ROUTER, deploy, families, run_workload, start_cluster, stop_cluster
 
-from .serving import replica_pids
+from .serving import engine_pids, replica_pids
 
 MODEL = "default"
 
@@ -29,12 +29,14 @@ def test_prefix_aware_routing_beats_default(cluster):
     deploy("prefix", "/prefix", 2, ROUTER, kv_blocks=44, pin_cpus=1)
     deploy("default", "/default", 2, None, kv_blocks=44)
     if hasattr(os, "sched_getaffinity") and (os.cpu_count() or 1) >= 2:
-        # pin_cpus=1: replica rank r runs its engine thread (and MLX's) on CPU r alone.
-        pinned = []
+        # pin_cpus=1: replica rank r runs its engine process (MLX's threads with it) on
+        # CPU r alone; the replica's own (Ray's) threads stay free.
+        pinned, free = [], set()
         for pid in replica_pids("prefix"):
-            masks = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
-            pinned.append(sorted(m for m in masks if len(m) == 1))
-        assert sorted(pinned) == [[(0,)], [(1,)]]
+            free |= {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
+            for e in engine_pids(pid):
+                pinned.append({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{e}/task")})
+        assert sorted(sorted(m) for m in pinned) == [[(0,)], [(1,)]] and all(len(m) > 1 for m in free)
     prompts = families(16, prefix_blocks=5, per_family=4)
     pre = run_workload(cluster + "/prefix", prompts)
     dflt = run_workload(cluster + "/default", prompts)

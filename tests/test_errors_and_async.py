@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import shutil
 
 import pytest
@@ -108,13 +109,13 @@ def test_stream_interval_merges_outputs_without_losing_tokens(async_engine, engi
                                                            max_chunks_per_s=cap)]
         return await asyncio.wait_for(collect(), 30)   # well inside the 60 s interval
 
-    merged, plain = asyncio.run(run(60.0)), asyncio.run(run(0.0))
+    merged, plain, whole = asyncio.run(run(60.0)), asyncio.run(run(0.0)), asyncio.run(run(math.inf))
     capped = asyncio.run(run(0.0, cap=1 / 60))   # one live stream at 1/60 chunk/s: a 60 s interval
     want = engine.generate(["The baker"], p)[0].outputs[0]
-    assert len(merged) == 2 and len(capped) == 2 and len(plain) > 2
+    assert len(merged) == 2 and len(capped) == 2 and len(whole) == 2 and len(plain) > 2
     assert len(merged[0].outputs[0].delta_token_ids) == 1
     assert async_engine.live_streams == 0
-    for outs in (merged, capped, plain):
+    for outs in (merged, capped, whole, plain):
         assert [t for o in outs for t in o.outputs[0].delta_token_ids] == want.token_ids
         assert "".join(o.outputs[0].delta_text for o in outs) == want.text
         assert outs[-1].finished and outs[-1].outputs[0].token_ids == want.token_ids
