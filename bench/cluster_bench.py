@@ -3,7 +3,8 @@ prefix-aware routing vs Ray's default router on a multi-prefix workload.
 
 `ray.cluster_utils.Cluster` runs a head node and three nodes, one per simulated Mac
 (custom resource `mac`), all on 127.0.0.1. Each `LLMServer` replica needs one `mac`,
-so replicas land one per node. Routing is compared with 2 and with 3 replicas.
+so replicas land one per node. Routing is compared with 2 and with 3 replicas. Beside
+the served runs, bare engines pinned one per CPU show what the cores themselves scale to.
 Writes `bench/results/cluster.json` and `cluster.png` (`--replot` redraws the PNG
 from the JSON).
 
@@ -16,6 +17,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,6 +93,47 @@ def replica_metrics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+BARE = """
+import os, random, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+from runtime import EngineConfig, LLMEngine, SamplingParams
+eng = LLMEngine(EngineConfig(num_gpu_blocks=512, max_num_seqs=32))
+rng = random.Random(1)
+prompts = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(32)]
+p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+def wave(tag):
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", None, p, prompt_token_ids=ids)
+    n = 0
+    while eng.has_unfinished_requests():
+        n += sum(len(o.outputs[0].token_ids) for o in eng.step() if o.finished)
+    return n
+wave("warm")
+t = time.perf_counter()
+n = sum(wave(k) for k in range(3))
+print(n / (time.perf_counter() - t))
+"""
+
+
+def bare_engines(cpus: list[int]) -> float:
+    """Aggregate tok/s of bare `LLMEngine`s (no Ray, no HTTP), one per CPU in `cpus`,
+    each pinned there and running 32 sequences: what the cores give without serving."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-c", BARE, str(c)], stdout=subprocess.PIPE, text=True, env=env)
+             for c in cpus]
+    return sum(float(p.communicate()[0].split()[-1]) for p in procs)
+
+
+def mixed_load(n: int, seed: int = 5) -> tuple[list[list[int]], list[int]]:
+    """`n` prompts of 32-96 tokens with 32-96 tokens to generate (mean 64 each). Lengths
+    vary as a live service's do: with one fixed length, requests that start together end
+    together, and each replica idles while the next wave crosses HTTP and Ray."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(32, 96))] for _ in range(n)]
+    return prompts, [rng.randint(32, 96) for _ in range(n)]
+
+
 def families(n_families: int, prefix_blocks: int, per_family: int, seed: int = 0) -> list[list[int]]:
     """Prompts sharing one of `n_families` prefixes of `prefix_blocks` full blocks, each
     with its own 8-token tail, in a random order."""
@@ -102,12 +145,15 @@ def families(n_families: int, prefix_blocks: int, per_family: int, seed: int = 0
     return prompts
 
 
-async def _run(url: str, prompts: list, concurrency: int, max_tokens: int, stream: bool = True) -> dict:
-    """Send `prompts` with at most `concurrency` in flight. Unstreamed, a request costs
-    one response instead of a message per chunk, and TTFT is not measured."""
+async def _run(url: str, prompts: list, concurrency: int, max_tokens: int | list[int],
+               stream: bool = True) -> dict:
+    """Send `prompts` with at most `concurrency` in flight; `max_tokens` is one length for
+    all or one per prompt. Unstreamed, a request costs one response instead of a message
+    per chunk, and TTFT is not measured."""
     backend = sb.HTTPBackend(url, MODEL, {"ignore_eos": True}, stream=stream)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     try:
-        s = await sb.run(backend, [sb.Request(p, None, max_tokens) for p in prompts],
+        s = await sb.run(backend, [sb.Request(p, None, n) for p, n in zip(prompts, lengths)],
                          max_concurrency=concurrency, progress=False)
     finally:
         await backend.aclose()
@@ -117,7 +163,7 @@ async def _run(url: str, prompts: list, concurrency: int, max_tokens: int, strea
             "output_tok_s": s["output_throughput"], "ttft_p50_s": ttft["p50"], "ttft_p95_s": ttft["p95"]}
 
 
-def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int = 8,
+def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int | list[int] = 8,
                  stream: bool = True) -> dict:
     before = replica_metrics(url)
     res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
@@ -131,8 +177,18 @@ def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int 
         dh = m.get("prefix_cache_hit_tokens", 0) - b.get("prefix_cache_hit_tokens", 0)
         per_replica[rep] = m.get("requests_finished", 0) - b.get("requests_finished", 0)
         q, h = q + dq, h + dh
-    res.update(hit_rate=h / q if q else 0.0, requests_per_replica=per_replica)
+    res.update(hit_rate=h / q if q else 0.0, hit_tokens=h, query_tokens=q, requests_per_replica=per_replica)
     return res
+
+
+def combine(runs: list[dict]) -> dict:
+    """Runs of one setup as one: hit rate over all their prompt tokens, TTFT medians of
+    the runs' percentiles, each run's own figures under `runs`."""
+    h, q = sum(r["hit_tokens"] for r in runs), sum(r["query_tokens"] for r in runs)
+    return {"hit_rate": h / q if q else 0.0, "hit_tokens": h, "query_tokens": q,
+            "ttft_p50_s": float(np.median([r["ttft_p50_s"] for r in runs])),
+            "ttft_p95_s": float(np.median([r["ttft_p95_s"] for r in runs])),
+            "hit_rate_per_run": [r["hit_rate"] for r in runs], "runs": runs}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -146,11 +202,16 @@ def plot(result: dict, path: Path) -> Path:
     runs = [("streamed", result)]
     if "unstreamed" in result:
         runs.append(("unstreamed", result["unstreamed"]))
+    if "bare_engines" in result:
+        b = result["bare_engines"]
+        runs.append(("bare engines", {"replicas_1_output_tok_s": b["one_cpu_tok_s"],
+                                      "replicas_2_output_tok_s": b["two_cpus_tok_s"],
+                                      "throughput_ratio_2_vs_1": b["ratio"]}))
     x = np.arange(len(runs))
     for i, (key, color) in enumerate((("replicas_1_output_tok_s", "tab:gray"), ("replicas_2_output_tok_s", "tab:blue"))):
         ax[0].bar(x + (i - 0.5) * 0.38, [r[key] for _, r in runs], 0.38, color=color,
                   label=("1 replica", "2 replicas")[i])
-    ax[0].set_xticks(x, [f"{name} ({r['throughput_ratio_2_vs_1']:.2f}x)" for name, r in runs])
+    ax[0].set_xticks(x, [f"{name}\n({r['throughput_ratio_2_vs_1']:.2f}x)" for name, r in runs], fontsize=8)
     ax[0].set_ylabel("output tok/s")
     ax[0].set_title("throughput, 1 vs 2 replicas")
     ax[0].legend(fontsize=8)
@@ -184,44 +245,50 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", type=int, default=16)
     ap.add_argument("--per-family", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="family sets per routing comparison")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     args = ap.parse_args(argv)
     if args.replot:
         print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
         return
+    bare = {"one": bare_engines([0]), "two": bare_engines([0, 1])}
     cluster, url = start_cluster(num_macs=3)
     try:
         # Each replica's engine thread on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as
         # a replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
         deploy("one", "/one", 1, None, kv_blocks=256, pin_cpus=1)
         deploy("two", "/two", 2, None, kv_blocks=256, pin_cpus=1)
-        rng = random.Random(5)
-        load = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(160)]
+        # 64 in flight: enough to fill both replicas' 32 sequences, so each setup runs
+        # at its capacity (with fewer, two replicas would each run half-empty batches).
+        load, lengths = mixed_load(32 + 256)
         run_workload(url + "/one", load[:32], 16, 16)
         run_workload(url + "/two", load[:32], 16, 16)
-        one = run_workload(url + "/one", load[32:], concurrency=32, max_tokens=64)
-        two = run_workload(url + "/two", load[32:], concurrency=32, max_tokens=64)
-        # The same requests unstreamed: Ray carries one message per request, not one per
+        one = run_workload(url + "/one", load[32:], concurrency=64, max_tokens=lengths[32:])
+        two = run_workload(url + "/two", load[32:], concurrency=64, max_tokens=lengths[32:])
+        # The same requests unstreamed: two Ray messages per request instead of one per
         # chunk, which shows how much of the CPU the streaming path takes from the engines.
-        one_ns = run_workload(url + "/one", load[32:], concurrency=32, max_tokens=64, stream=False)
-        two_ns = run_workload(url + "/two", load[32:], concurrency=32, max_tokens=64, stream=False)
+        one_ns = run_workload(url + "/one", load[32:], concurrency=64, max_tokens=lengths[32:], stream=False)
+        two_ns = run_workload(url + "/two", load[32:], concurrency=64, max_tokens=lengths[32:], stream=False)
         from ray import serve
         for name in ("one", "two"):          # free the simulated Macs
             serve.delete(name)
 
+        # Each family set (new prefixes per seed) runs once per router; hit rates add up
+        # over the sets, since one set's figure for Ray's router swings with chance.
+        sets = [families(args.families, prefix_blocks=5, per_family=args.per_family, seed=k)
+                for k in range(args.repeats)]
         deploy("prefix", "/prefix", 2, ROUTER, kv_blocks=44)
         deploy("default", "/default", 2, None, kv_blocks=44)
-        prompts = families(args.families, prefix_blocks=5, per_family=args.per_family)
-        pre = run_workload(url + "/prefix", prompts)
-        dflt = run_workload(url + "/default", prompts)
+        pre = combine([run_workload(url + "/prefix", p) for p in sets])
+        dflt = combine([run_workload(url + "/default", p) for p in sets])
         for name in ("prefix", "default"):
             serve.delete(name)
         # With more replicas, routing by chance scatters each family over more caches.
         deploy("prefix3", "/prefix3", 3, ROUTER, kv_blocks=44)
         deploy("default3", "/default3", 3, None, kv_blocks=44)
-        pre3 = run_workload(url + "/prefix3", prompts)
-        dflt3 = run_workload(url + "/default3", prompts)
+        pre3 = combine([run_workload(url + "/prefix3", p) for p in sets])
+        dflt3 = combine([run_workload(url + "/default3", p) for p in sets])
     finally:
         stop_cluster(cluster)
     result = {
@@ -230,6 +297,10 @@ def main(argv=None):
         "prefix_router_ttft_p50_s": pre["ttft_p50_s"], "default_router_ttft_p50_s": dflt["ttft_p50_s"],
         "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
+        "bare_engines": {"one_cpu_tok_s": bare["one"], "two_cpus_tok_s": bare["two"],
+                         "ratio": bare["two"] / bare["one"],
+                         "what": "LLMEngine alone, no Ray or HTTP, 32 sequences of 64+64 tokens, "
+                                 "one process pinned per CPU, run at once: what the cores scale to"},
         "unstreamed": {"replicas_1_output_tok_s": one_ns["output_tok_s"],
                        "replicas_2_output_tok_s": two_ns["output_tok_s"],
                        "throughput_ratio_2_vs_1": two_ns["output_tok_s"] / one_ns["output_tok_s"]},
@@ -238,13 +309,18 @@ def main(argv=None):
             "prefix_router_ttft_p50_s": pre3["ttft_p50_s"], "default_router_ttft_p50_s": dflt3["ttft_p50_s"]},
         "details": {"one": one, "two": two, "one_unstreamed": one_ns, "two_unstreamed": two_ns, "prefix": pre, "default": dflt, "prefix3": pre3, "default3": dflt3},
         "note": ("simulated nodes share this machine's cores; for 1 vs 2 replicas each replica's "
-                 "engine thread (and MLX's threads) is pinned to its own CPU (pin_cpus=1); Ray's "
-                 "own processes and threads and the client are not pinned"),
+                 "engine process (MLX's threads with it) is pinned to its own CPU (pin_cpus=1); Ray's "
+                 "own processes and threads and the client are not pinned. Throughput: 256 requests "
+                 "of 32-96 prompt and 32-96 output tokens, 64 in flight. Routing: "
+                 f"{args.repeats} sets of {args.families} prefix families x {args.per_family} requests, "
+                 "5-block prefixes, 44 KV blocks per replica"),
         "num_cpus": os.cpu_count(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     plot(result, Path(args.out).with_suffix(".png"))
+    print(f"bare engines: 1 CPU {bare['one']:.0f} tok/s, 2 CPUs {bare['two']:.0f} tok/s "
+          f"({bare['two'] / bare['one']:.2f}x)")
     print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "
           f"({result['throughput_ratio_2_vs_1']:.2f}x); unstreamed {one_ns['output_tok_s']:.0f} vs "
           f"{two_ns['output_tok_s']:.0f} tok/s ({result['unstreamed']['throughput_ratio_2_vs_1']:.2f}x)")
