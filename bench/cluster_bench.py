@@ -94,24 +94,15 @@ def replica_metrics(url: str) -> dict[str, dict[str, float]]:
 
 
 BARE = """
-import os, random, sys, time
+import os, random, sys
 os.sched_setaffinity(0, {int(sys.argv[1])})
-from runtime import EngineConfig, LLMEngine, SamplingParams
+from bench.bench_continuous_vs_static import run_ours
+from runtime import EngineConfig, LLMEngine
 eng = LLMEngine(EngineConfig(num_gpu_blocks=512, max_num_seqs=32))
 rng = random.Random(1)
-prompts = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(32)]
-p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-def wave(tag):
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", None, p, prompt_token_ids=ids)
-    n = 0
-    while eng.has_unfinished_requests():
-        n += sum(len(o.outputs[0].token_ids) for o in eng.step() if o.finished)
-    return n
-wave("warm")
-t = time.perf_counter()
-n = sum(wave(k) for k in range(3))
-print(n / (time.perf_counter() - t))
+reqs = [([rng.randrange(3, 500) for _ in range(64)], 64) for _ in range(32)] * 3
+run_ours(eng, reqs[:32], 32, "warm")
+print(run_ours(eng, reqs, 32, "bare")["output_tok_s"])
 """
 
 

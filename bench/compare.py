@@ -278,6 +278,14 @@ def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float 
     return rows
 
 
+def variant_sweep(target: Target, wl: Workloads, args, label: str, **setting) -> list[dict]:
+    """The concurrency sweep of our app run with one setting changed: rows of workload
+    `random (label)`, the setting recorded in each row."""
+    warm_up(target, wl)
+    return [to_row(target, f"random ({label})", measure(target, wl.random(c), concurrency=c), **setting)
+            for c in args.concurrency]
+
+
 def mlx_lm_sweep(rows: list[dict]) -> list[dict]:
     """mlx_lm.server's sweep points that completed every request (else those that
     completed some): a point that dropped requests is no peak, one with none is no point."""
@@ -519,16 +527,10 @@ def main(argv=None):
                 skipped[name] = "no attention kernel on this device: 'auto' already runs gather here"
                 continue
             with ours(model, {**engine, "attention_backend": "gather"}, "ours", extra) as t:
-                warm_up(t, wl)
-                for c in args.concurrency:
-                    rows.append(to_row(t, "random (attention=gather)", measure(t, wl.random(c), concurrency=c),
-                                       attention_backend="gather"))
+                rows += variant_sweep(t, wl, args, "attention=gather", attention_backend="gather")
         elif name == "ours-engine-thread":
             with ours(model, engine, "ours", extra, engine_process=False) as t:
-                warm_up(t, wl)
-                for c in args.concurrency:
-                    rows.append(to_row(t, "random (engine on a thread)", measure(t, wl.random(c), concurrency=c),
-                                       engine_process=False))
+                rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)
         for r in rows[n_before:]:
             r["source"] = name
         out.write_text(json.dumps(rows, indent=1))       # a run cut short keeps what it measured

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
 from .engine_loop import EngineLoop
-from .errors import EngineDeadError, EngineStepError, RequestAbortedError
+from .errors import DuplicateRequestError, EngineDeadError, EngineStepError, RequestAbortedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -155,13 +155,13 @@ class AsyncEngine:
         Outputs that pile up while the caller is busy come merged into one. With
         `stream_interval_s`, after the first output at most one merged output is yielded
         per interval (the final one at once; `math.inf`: the first and the last only):
-        fewer, larger chunks for transports that pay per message. `max_chunks_per_s` caps the chunks of all live streams together:
-        the interval grows to `live streams / max_chunks_per_s` when that is longer."""
+        fewer, larger chunks for transports that pay per message. `max_chunks_per_s`
+        caps the chunks of all live streams together: the interval grows to
+        `live streams / max_chunks_per_s` when that is longer."""
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"
         stream = _Stream(asyncio.get_running_loop())
         if request_id in self._waiters:
-            from .errors import DuplicateRequestError
             raise DuplicateRequestError(request_id)
         self._waiters[request_id] = stream
         self._send(("add", request_id, dict(
@@ -236,31 +236,28 @@ class AsyncEngine:
         requests per step those writes and wake-ups would cost more than the step's
         scheduling."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
+
+        def deliver(w: _Stream | None, item) -> None:
+            if w is not None:
+                batches.setdefault(w.loop, []).append((w, item))
+
         for ev in events:
             kind = ev[0]
             if kind == "outputs":
                 for out in ev[1]:
-                    w = self._waiters.get(out.request_id)
-                    if w is None:
-                        continue
-                    batches.setdefault(w.loop, []).append((w, out))
-                    if out.finished:
-                        self._waiters.pop(out.request_id, None)
+                    deliver(self._waiters.pop(out.request_id, None) if out.finished
+                            else self._waiters.get(out.request_id), out)
             elif kind == "stats":
                 self._stats = ev[1]
             elif kind == "hashes":
                 self._hashes = ev[1]
             elif kind == "rejected":
-                w = self._waiters.pop(ev[1], None)
-                if w is not None:
-                    batches.setdefault(w.loop, []).append((w, ev[2]))
+                deliver(self._waiters.pop(ev[1], None), ev[2])
             elif kind == "failed":
                 err = EngineStepError(f"the engine step running this request failed ({ev[2]}); "
                                       "it was aborted and its KV blocks freed")
                 for rid in ev[1]:
-                    w = self._waiters.pop(rid, None)
-                    if w is not None:
-                        batches.setdefault(w.loop, []).append((w, err))
+                    deliver(self._waiters.pop(rid, None), err)
             elif kind == "ready":
                 self._info = ev[1]
                 self._stats = ev[1]["stats"]
@@ -276,8 +273,7 @@ class AsyncEngine:
                     err = RequestAbortedError("the engine shut down")
                 self._ready.set()
                 while self._waiters:
-                    _, w = self._waiters.popitem()
-                    batches.setdefault(w.loop, []).append((w, err))
+                    deliver(self._waiters.popitem()[1], err)
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
