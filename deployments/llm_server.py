@@ -3,7 +3,8 @@
 It loads the model in its constructor and streams `RequestOutput`s to the ingress. A
 bad request comes back as one `{"error": ...}` item rather than an exception, so the
 ingress can answer 400 before it starts a stream; so does a request aborted by a failed
-engine step (`server_error`, which the ingress answers 503 or ends the stream with).
+engine step or by an engine that died (`server_error`, which the ingress answers 503 with
+Retry-After, or ends the stream with, while Serve's health check replaces the replica).
 """
 
 import itertools
@@ -24,9 +25,9 @@ ROUTING_HASH_LIMIT = 4096   # block hashes a replica reports to the router, most
 
 
 def error_item(e: Exception) -> dict:
-    if isinstance(e, EngineStepError):
-        return {"error": {"message": str(e), "type": "server_error", "param": None,
-                          "code": "engine_step_failed"}}
+    if isinstance(e, (EngineStepError, EngineDeadError)):
+        code = "engine_step_failed" if isinstance(e, EngineStepError) else "engine_dead"
+        return {"error": {"message": str(e), "type": "server_error", "param": None, "code": code}}
     code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
     return {"error": {"message": str(e), "type": "invalid_request_error",
                       "param": getattr(e, "param", None), "code": code}}
@@ -102,7 +103,7 @@ class LLMServer:
                     out.replica_id = self.replica_id
                     out.engine_stats = self.stats()
                 yield out
-        except (InvalidRequestError, EngineStepError) as e:
+        except (InvalidRequestError, EngineStepError, EngineDeadError) as e:
             yield error_item(e)
 
     def model_info(self) -> dict:

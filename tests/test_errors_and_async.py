@@ -317,8 +317,8 @@ def test_steps_that_keep_failing_stop_the_engine(default_model):
 
 
 def test_ingress_answers_a_failed_step_with_503():
-    """The replica's error item for an aborted request becomes 503 with Retry-After (a
-    retry can succeed); a bad request stays 400."""
+    """The replica's error item for a request aborted by a failed step or a dead engine
+    becomes 503 with Retry-After (a retry can succeed); a bad request stays 400."""
     import json as _json
 
     from deployments.ingress import OpenAIIngress
@@ -329,6 +329,8 @@ def test_ingress_answers_a_failed_step_with_503():
     failed = ingress._item_error(error_item(EngineStepError("step failed"))["error"]).response()
     assert failed.status_code == 503 and failed.headers["retry-after"] == "2"
     assert _json.loads(failed.body)["error"]["type"] == "server_error"
+    dead = ingress._item_error(error_item(EngineDeadError("engine loop stopped"))["error"]).response()
+    assert dead.status_code == 503 and _json.loads(dead.body)["error"]["code"] == "engine_dead"
     bad = ingress._item_error(error_item(EmptyPromptError())["error"]).response()
     assert bad.status_code == 400 and _json.loads(bad.body)["error"]["param"] == "prompt"
 

@@ -317,7 +317,61 @@ def test_soak_with_disconnects(server):
     assert growth <= 64 << 20, f"engine memory grew by {growth / 2**20:.1f} MiB"
 
 
-# -- replica failure (last: it kills a process) --------------------------------------------
+# -- process failures (last: they kill processes) ------------------------------------------
+def _wait_served(url: str, old_replicas: list[int], timeout: float = 120) -> httpx.Response:
+    """Polls until a replica other than `old_replicas` answers; returns its answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = replica_pids("rel")
+        if new and not set(new) & set(old_replicas):
+            try:
+                r = _send(url, C, OK)
+                if r.status_code == 200:
+                    return r
+            except httpx.HTTPError:
+                pass
+        time.sleep(1)
+    return _send(url, C, OK)
+
+
+async def _kill_under_load(victims: list[int], requests: list) -> list:
+    """Starts `requests` (coroutines), SIGKILLs `victims` 1.5 s in, returns the outcomes."""
+    tasks = [asyncio.create_task(r) for r in requests]
+    await asyncio.sleep(1.5)
+    for p in victims:
+        os.kill(p, signal.SIGKILL)
+    return await asyncio.gather(*tasks)
+
+
+def test_engine_death_is_503_and_the_replica_is_replaced(server):
+    """An engine process that dies (here SIGKILL) fails the requests it held and every
+    new one with 503 + Retry-After and an OpenAI error body, never a 500 or a hang; the
+    replica's health check then fails and Serve replaces it."""
+    url = server.urls["rel"]
+    pids = replica_pids("rel")
+    engines = [e for p in pids for e in engine_pids(p)]
+    assert engines, "no engine process found"
+
+    async def run():
+        async with httpx.AsyncClient() as cl:
+            held = await _kill_under_load(engines, [
+                cl.post(url + C, json={"model": MODEL, "prompt": f"tale {i}", "max_tokens": 400,
+                                       "ignore_eos": True}, timeout=90) for i in range(4)])
+            after = await cl.post(url + C, json=OK, timeout=30)
+            return held, after
+
+    held, after = asyncio.run(run())
+    print(f"engine killed mid-load: {[r.status_code for r in held]}, then {after.status_code}")
+    for r in [*held, after]:
+        assert r.status_code in (200, 503), r.text      # a request may finish before the kill
+    failed = [r for r in [*held, after] if r.status_code == 503]
+    assert failed, "no request saw the dead engine"
+    for r in failed:
+        assert r.headers["retry-after"] and r.json()["error"]["type"] == "server_error"
+    r = _wait_served(url, pids)
+    assert r.status_code == 200, r.text
+
+
 def test_replica_failure_recovers(server):
     url = server.urls["rel"]
     pids = replica_pids("rel")
@@ -336,11 +390,7 @@ def test_replica_failure_recovers(server):
 
     async def run():
         async with httpx.AsyncClient() as cl:
-            tasks = [asyncio.create_task(client(cl, i)) for i in range(8)]
-            await asyncio.sleep(1.5)
-            for p in pids:
-                os.kill(p, signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            return await _kill_under_load(pids, [client(cl, i) for i in range(8)])
 
     results = asyncio.run(run())
     print(f"replica killed mid-load; in-flight outcomes: {results}")
@@ -348,16 +398,6 @@ def test_replica_failure_recovers(server):
     assert all(code in (200, 503) for code, _ in results), results   # an error, or the answer
     for e in engines:     # a killed replica's engine process exits too: no model left in memory
         assert exited(e, 30), f"engine process {e} outlived its replica"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        new = replica_pids("rel")
-        if new and not set(new) & set(pids):
-            try:
-                if _send(url, C, OK).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-        time.sleep(1)
-    r = _send(url, C, OK)
+    r = _wait_served(url, pids)
     assert r.status_code == 200, r.text
     assert replica_pids("rel") and not set(replica_pids("rel")) & set(pids)
