@@ -93,7 +93,8 @@ def ours(model: str, engine: dict, name: str, extra: dict, **app_args):
                      f"serve run, start-up {run.startup_s:.0f} s")
     finally:
         run.stop()
-        _wait_gone("ServeReplica:", 120)   # its device memory must be free before the next system
+        for proc in ("ServeReplica:", "runtime.engine_process"):
+            _wait_gone(proc, 120)   # their device memory must be free before the next system
 
 
 def _wait_gone(pattern: str, timeout: float) -> None:
@@ -497,7 +498,9 @@ def main(argv=None):
     rate = args.poisson_rate
     if rate is None and mlx_lm_sweep(rows):
         rate = poisson_rate(rows, args.output_len)[0]
-    for name in args.systems:
+    # Servers first, the in-process engine last: this process keeps the device memory its
+    # engine freed, and a server started after it ran out of memory on the GPU.
+    for name in sorted(args.systems, key=lambda n: n == "ours-bare-engine"):
         t0 = time.perf_counter()
         n_before = len(rows)
         if name == "mlx_lm.server":
