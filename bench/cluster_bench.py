@@ -19,6 +19,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,10 +155,47 @@ async def _run(url: str, prompts: list, concurrency: int, max_tokens: int | list
             "output_tok_s": s["output_throughput"], "ttft_p50_s": ttft["p50"], "ttft_p95_s": ttft["p95"]}
 
 
+class EngineOccupancy:
+    """Samples, while a run lasts, how many requests the replicas' engines hold (running
+    plus waiting, all replicas) from `/metrics`: against the requests the client keeps in
+    flight, the rest are in transit through HTTP and Ray."""
+
+    def __init__(self, url: str, period_s: float = 0.5):
+        from tests.serving import metric
+        self.url, self.period_s, self.metric = url, period_s, metric
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                text = httpx.get(self.url + "/metrics", timeout=10).text
+            except httpx.HTTPError:
+                continue
+            self.samples.append((self.metric(text, "num_requests_running") or 0)
+                                + (self.metric(text, "num_requests_waiting") or 0))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def mean(self) -> float | None:
+        # the first and last samples catch the run filling up and draining
+        inner = self.samples[1:-1] or self.samples
+        return float(np.mean(inner)) if inner else None
+
+
 def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int | list[int] = 8,
                  stream: bool = True) -> dict:
     before = replica_metrics(url)
-    res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
+    with EngineOccupancy(url) as occupancy:
+        res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
+    res["requests_in_engines_mean"] = occupancy.mean()
     time.sleep(1.5)
     after = replica_metrics(url)
     q = h = 0.0
@@ -292,6 +330,13 @@ def main(argv=None):
                          "ratio": bare["two"] / bare["one"],
                          "what": "LLMEngine alone, no Ray or HTTP, 32 sequences of 64+64 tokens, "
                                  "one process pinned per CPU, run at once: what the cores scale to"},
+        "requests_in_engines_mean": {
+            "what": "requests the engines held (running + waiting, all replicas), sampled from /metrics "
+                    "every 0.5 s during the throughput runs, of the 64 the client kept in flight; "
+                    "the rest were in transit through HTTP and Ray",
+            "replicas_1": one["requests_in_engines_mean"], "replicas_2": two["requests_in_engines_mean"],
+            "replicas_1_unstreamed": one_ns["requests_in_engines_mean"],
+            "replicas_2_unstreamed": two_ns["requests_in_engines_mean"]},
         "unstreamed": {"replicas_1_output_tok_s": one_ns["output_tok_s"],
                        "replicas_2_output_tok_s": two_ns["output_tok_s"],
                        "throughput_ratio_2_vs_1": two_ns["output_tok_s"] / one_ns["output_tok_s"]},
@@ -315,6 +360,9 @@ def main(argv=None):
     print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "
           f"({result['throughput_ratio_2_vs_1']:.2f}x); unstreamed {one_ns['output_tok_s']:.0f} vs "
           f"{two_ns['output_tok_s']:.0f} tok/s ({result['unstreamed']['throughput_ratio_2_vs_1']:.2f}x)")
+    print(f"requests in the engines (mean, of 64 in flight): 1 replica {one['requests_in_engines_mean']:.1f}, "
+          f"2 replicas {two['requests_in_engines_mean']:.1f}; unstreamed {one_ns['requests_in_engines_mean']:.1f}, "
+          f"{two_ns['requests_in_engines_mean']:.1f}")
     print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
           f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
     print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
