@@ -41,7 +41,9 @@ def pin_current_thread(cpus: set[int]) -> bool:
     replica), never Ray's own threads (gRPC, event loops): they stay free to run on any
     core, and pinning them beside the engine starved the engine of requests. Ray starts
     workers at nice 15; a pinned engine cannot move off a core that a nice-0 process
-    also wants, so it returns to nice 0 where the OS allows."""
+    also wants, so it returns to nice 0 where the OS allows. The price, where engines
+    fill every core: Serve's nice-15 actors wait for CPU, and so do new requests (the
+    cluster section of bench/results/README.md measures both sides)."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     os.sched_setaffinity(0, cpus)
