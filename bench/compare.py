@@ -1,7 +1,9 @@
 """Side by side, in one run, on one model: our `serve run` app, our bare engine (no Ray,
 no HTTP), `mlx_lm.server`, and vllm-mlx when it is installed; plus our app with the
 prefix cache off, with its engine loop on a thread of the replica instead of its own
-process, and (on CUDA) with gather instead of kernel attention.
+process, and (on CUDA) with gather instead of kernel attention. Opt-in
+`ours-direct-ingress`: the app under Ray Serve's direct ingress, where the ingress
+replica serves HTTP itself and no proxy relays requests and stream chunks.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -84,10 +86,10 @@ def _metrics_sampler(base: str):
 
 
 @contextmanager
-def ours(model: str, engine: dict, name: str, extra: dict, **app_args):
+def ours(model: str, engine: dict, name: str, extra: dict, direct_ingress: bool = False, **app_args):
     from tests.serving import ServeRun
 
-    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900)
+    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, direct_ingress=direct_ingress)
     try:
         yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
                      f"serve run, start-up {run.startup_s:.0f} s")
@@ -531,6 +533,9 @@ def main(argv=None):
                 continue
             with ours(model, {**engine, "attention_backend": "gather"}, "ours", extra) as t:
                 rows += variant_sweep(t, wl, args, "attention=gather", attention_backend="gather")
+        elif name == "ours-direct-ingress":
+            with ours(model, engine, "ours", extra, direct_ingress=True) as t:
+                rows += variant_sweep(t, wl, args, "direct ingress", direct_ingress=True)
         elif name == "ours-engine-thread":
             with ours(model, engine, "ours", extra, engine_process=False) as t:
                 rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)

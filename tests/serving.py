@@ -38,26 +38,34 @@ class ServeRun:
 
     ATTEMPTS = 3
 
-    def __init__(self, applications: list[dict], timeout: float = 180.0):
+    def __init__(self, applications: list[dict], timeout: float = 180.0, direct_ingress: bool = False):
+        """`direct_ingress`: Ray Serve's direct ingress (no proxy; the one ingress replica
+        serves HTTP itself, on the port picked here)."""
         for attempt in range(self.ATTEMPTS):
             try:
-                self._start(applications, timeout)
+                self._start(applications, timeout, direct_ingress)
                 return
             except RuntimeError as e:
                 if "Failed to bind to address" not in str(e) or attempt == self.ATTEMPTS - 1:
                     raise
 
-    def _start(self, applications: list[dict], timeout: float) -> None:
-        self.port = free_port()
+    def _start(self, applications: list[dict], timeout: float, direct_ingress: bool) -> None:
+        self.port = proxy_port = free_port()
+        env = serve_env()
+        if direct_ingress:   # Serve still starts its proxy: it keeps a port of its own
+            while self.port == proxy_port:
+                self.port = free_port()
+            env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(self.port),
+                       RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(self.port + 1))  # [min, max)
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
         cfg = {"proxy_location": "HeadOnly",
-               "http_options": {"host": "127.0.0.1", "port": self.port},
+               "http_options": {"host": "127.0.0.1", "port": proxy_port},
                "applications": applications}
         self.config = Path(self.dir) / "config.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = open(Path(self.dir) / "serve.log", "w")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(["serve", "run", str(self.config)], cwd=ROOT, env=serve_env(), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(["serve", "run", str(self.config)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.base = f"http://127.0.0.1:{self.port}"
         self.urls = {a["name"]: self.base + a["route_prefix"].rstrip("/") for a in applications}
