@@ -19,7 +19,6 @@ import random
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -146,56 +145,37 @@ async def _run(url: str, prompts: list, concurrency: int, max_tokens: int | list
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     try:
         s = await sb.run(backend, [sb.Request(p, None, n) for p, n in zip(prompts, lengths)],
-                         max_concurrency=concurrency, progress=False)
+                         max_concurrency=concurrency, progress=False, sampler=engines_load(url))
     finally:
         await backend.aclose()
     assert not s["failed"], s["errors"]
     ttft = s["ttft_s"] if stream else {"p50": None, "p95": None}
+    # the first and last samples catch the run filling up and draining
+    load = [x for x in s["samples"][1:-1] or s["samples"] if x is not None]
     return {"wall_s": s["duration_s"], "output_tokens": s["total_output_tokens"],
-            "output_tok_s": s["output_throughput"], "ttft_p50_s": ttft["p50"], "ttft_p95_s": ttft["p95"]}
+            "output_tok_s": s["output_throughput"], "ttft_p50_s": ttft["p50"], "ttft_p95_s": ttft["p95"],
+            "requests_in_engines_mean": float(np.mean(load)) if load else None}
 
 
-class EngineOccupancy:
-    """Samples, while a run lasts, how many requests the replicas' engines hold (running
-    plus waiting, all replicas) from `/metrics`: against the requests the client keeps in
-    flight, the rest are in transit through HTTP and Ray."""
+def engines_load(url: str):
+    """A `serve_bench.run` sampler: the requests the replicas' engines hold (running plus
+    waiting, all replicas) from `/metrics`; against the requests the client keeps in
+    flight, the rest are in transit through HTTP and Ray. None when `/metrics` fails."""
+    from tests.serving import metric
 
-    def __init__(self, url: str, period_s: float = 0.5):
-        from tests.serving import metric
-        self.url, self.period_s, self.metric = url, period_s, metric
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                text = httpx.get(self.url + "/metrics", timeout=10).text
-            except httpx.HTTPError:
-                continue
-            self.samples.append((self.metric(text, "num_requests_running") or 0)
-                                + (self.metric(text, "num_requests_waiting") or 0))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def mean(self) -> float | None:
-        # the first and last samples catch the run filling up and draining
-        inner = self.samples[1:-1] or self.samples
-        return float(np.mean(inner)) if inner else None
+    def sample() -> float | None:
+        try:
+            text = httpx.get(url + "/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return None
+        return (metric(text, "num_requests_running") or 0) + (metric(text, "num_requests_waiting") or 0)
+    return sample
 
 
 def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int | list[int] = 8,
                  stream: bool = True) -> dict:
     before = replica_metrics(url)
-    with EngineOccupancy(url) as occupancy:
-        res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
-    res["requests_in_engines_mean"] = occupancy.mean()
+    res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
     time.sleep(1.5)
     after = replica_metrics(url)
     q = h = 0.0

@@ -39,8 +39,8 @@ class ServeRun:
     ATTEMPTS = 3
 
     def __init__(self, applications: list[dict], timeout: float = 180.0, direct_ingress: bool = False):
-        """`direct_ingress`: Ray Serve's direct ingress (no proxy; the one ingress replica
-        serves HTTP itself, on the port picked here)."""
+        """`direct_ingress`: Ray Serve's direct ingress (the one ingress replica serves HTTP
+        itself, on the port picked here, so requests bypass the proxy Serve still starts)."""
         for attempt in range(self.ATTEMPTS):
             try:
                 self._start(applications, timeout, direct_ingress)
