@@ -107,16 +107,20 @@ def _wait_gone(pattern: str, timeout: float) -> None:
 
 @contextmanager
 def bare_engine(model: str, engine: dict, extra: dict):
+    """The replica's engine without Ray Serve and HTTP: the same `AsyncEngine` with its
+    loop in an engine process of its own, driven from this process's event loop. (With
+    the loop on a thread here instead, the client's per-token work for hundreds of
+    streams and the engine's host work share one GIL, and the anchor itself slows.)"""
     from runtime import AsyncEngine, EngineConfig
 
-    eng = AsyncEngine(EngineConfig(model=model, **engine))
+    eng = AsyncEngine(EngineConfig(model=model, **engine), process=True)
 
     def sample() -> dict:
         s = eng.stats()
         return {"kv_cache_bytes_in_use": s["kv_cache_bytes_in_use"], "num_requests_running": s["running"],
                 "kv_cache_bytes_saved_by_sharing": s["kv_cache_bytes_saved_by_sharing"]}
     try:
-        yield Target("ours-bare-engine", lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine in-process")
+        yield Target("ours-bare-engine", lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine, engine process")
     finally:
         eng.shutdown()
 
@@ -500,9 +504,7 @@ def main(argv=None):
     rate = args.poisson_rate
     if rate is None and mlx_lm_sweep(rows):
         rate = poisson_rate(rows, args.output_len)[0]
-    # Servers first, the in-process engine last: this process keeps the device memory its
-    # engine freed, and a server started after it ran out of memory on the GPU.
-    for name in sorted(args.systems, key=lambda n: n == "ours-bare-engine"):
+    for name in args.systems:
         t0 = time.perf_counter()
         n_before = len(rows)
         if name == "mlx_lm.server":
