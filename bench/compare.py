@@ -3,7 +3,8 @@ no HTTP), `mlx_lm.server`, and vllm-mlx when it is installed; plus our app with 
 prefix cache off, with its engine loop on a thread of the replica instead of its own
 process, and (on CUDA) with gather instead of kernel attention. Opt-in
 `ours-direct-ingress`: the app under Ray Serve's direct ingress, where the ingress
-replica serves HTTP itself and no proxy relays requests and stream chunks.
+replica serves HTTP itself and no proxy relays requests and stream chunks; opt-in
+`ours-2-ingress`: the app with two ingress replicas behind the proxy.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -538,6 +539,10 @@ def main(argv=None):
         elif name == "ours-direct-ingress":
             with ours(model, engine, "ours", extra, direct_ingress=True) as t:
                 rows += variant_sweep(t, wl, args, "direct ingress", direct_ingress=True)
+        elif name == "ours-2-ingress":
+            ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
+            with ours(model, engine, "ours", extra, ingress=ingress) as t:
+                rows += variant_sweep(t, wl, args, "2 ingress replicas", ingress_replicas=2)
         elif name == "ours-engine-thread":
             with ours(model, engine, "ours", extra, engine_process=False) as t:
                 rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)
