@@ -40,7 +40,9 @@ ROUTER = {"request_router_class": "deployments.router:PrefixAwareRouter",
 
 
 def start_cluster(num_macs: int):
-    """A head node plus `num_macs` nodes with a `mac` resource; Serve on 127.0.0.1."""
+    """A head node plus `num_macs` nodes with a `mac` resource; Serve on 127.0.0.1 with
+    one HTTP proxy, on the head node, as `configs/cluster.yaml` runs it (a proxy on every
+    node would put four on this host's cores, three of them idle)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -52,7 +54,7 @@ def start_cluster(num_macs: int):
         cluster.add_node(num_cpus=2, resources={"mac": 2})
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     return cluster, f"http://127.0.0.1:{port}"
 
 
@@ -172,10 +174,50 @@ def engines_load(url: str):
     return sample
 
 
+# Who uses the host's CPUs, by command line: the engines, Serve's actors by role, Ray's
+# own daemons and workers, and this process (the client). First match wins.
+CPU_KINDS = (("engines", "runtime.engine_process"), ("replica fronts", ":LLMServer"),
+             ("ingress", ":OpenAIIngress"), ("proxy", "ProxyActor"), ("controller", "ServeController"),
+             ("ray daemons", "ray"))
+
+
+def cpu_seconds() -> dict[str, float] | None:
+    """CPU seconds each kind of process in `CPU_KINDS` (and the client) has used so far,
+    from /proc; None where there is none (macOS)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {k: 0.0 for k, _ in CPU_KINDS} | {"client": 0.0}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue   # it exited meanwhile
+        kind = "client" if int(d.name) == os.getpid() else next((k for k, pat in CPU_KINDS if pat in cmd), None)
+        if kind:
+            out[kind] += (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+    return out
+
+
+def cores_used(before: dict | None, after: dict | None, wall_s: float) -> dict[str, float] | None:
+    """Mean CPUs each kind kept busy between two `cpu_seconds()` snapshots. A process
+    that exited meanwhile takes its seconds with it, so a kind can read low, never high."""
+    if before is None or after is None:
+        return None
+    used = {k: max(after[k] - before.get(k, 0.0), 0.0) / wall_s for k in after}
+    return {**used, "total": sum(used.values())}
+
+
 def run_workload(url: str, prompts: list, concurrency: int = 4, max_tokens: int | list[int] = 8,
                  stream: bool = True) -> dict:
     before = replica_metrics(url)
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     res = asyncio.run(_run(url, prompts, concurrency, max_tokens, stream))
+    res["cpu_cores"] = cores_used(cpu0, cpu_seconds(), time.perf_counter() - t0)
     time.sleep(1.5)
     after = replica_metrics(url)
     q = h = 0.0
@@ -207,7 +249,8 @@ def plot(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    cpu = result.get("cpu_cores")
+    fig, ax = plt.subplots(1, 4 if cpu else 3, figsize=(17 if cpu else 13, 3.8))
     runs = [("streamed", result)]
     if "unstreamed" in result:
         runs.append(("unstreamed", result["unstreamed"]))
@@ -243,6 +286,22 @@ def plot(result: dict, path: Path) -> Path:
     ax[2].set_ylabel("seconds")
     ax[2].set_title("routing: TTFT")
     ax[2].legend(fontsize=8)
+    if cpu:
+        runs = [(label, cpu[key]) for label, key in (("1 replica\nstreamed", "replicas_1"),
+                                                      ("2 replicas\nstreamed", "replicas_2"),
+                                                      ("1 replica\nunstreamed", "replicas_1_unstreamed"),
+                                                      ("2 replicas\nunstreamed", "replicas_2_unstreamed"))
+                if cpu.get(key)]
+        bottom = np.zeros(len(runs))
+        for kind, _ in CPU_KINDS + (("client", None),):
+            vals = np.array([c[kind] for _, c in runs])
+            ax[3].bar(range(len(runs)), vals, 0.6, bottom=bottom, label=kind)
+            bottom += vals
+        ax[3].axhline(result.get("num_cpus") or 0, color="k", lw=0.8, ls="--")
+        ax[3].set_xticks(range(len(runs)), [label for label, _ in runs], fontsize=8)
+        ax[3].set_ylabel("CPUs busy (mean)")
+        ax[3].set_title("where the CPUs go (throughput runs)")
+        ax[3].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(f"simulated Mac cluster on one {result.get('num_cpus', '?')}-CPU host (bench/cluster_bench.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -317,6 +376,12 @@ def main(argv=None):
             "replicas_1": one["requests_in_engines_mean"], "replicas_2": two["requests_in_engines_mean"],
             "replicas_1_unstreamed": one_ns["requests_in_engines_mean"],
             "replicas_2_unstreamed": two_ns["requests_in_engines_mean"]},
+        "cpu_cores": {
+            "what": "CPUs each kind of process kept busy on average during the throughput runs "
+                    f"(of {os.cpu_count()}; from /proc): the engine processes, Serve's actors, Ray's "
+                    "daemons and workers, and the benchmark client",
+            "replicas_1": one["cpu_cores"], "replicas_2": two["cpu_cores"],
+            "replicas_1_unstreamed": one_ns["cpu_cores"], "replicas_2_unstreamed": two_ns["cpu_cores"]},
         "unstreamed": {"replicas_1_output_tok_s": one_ns["output_tok_s"],
                        "replicas_2_output_tok_s": two_ns["output_tok_s"],
                        "throughput_ratio_2_vs_1": two_ns["output_tok_s"] / one_ns["output_tok_s"]},
@@ -343,6 +408,10 @@ def main(argv=None):
     print(f"requests in the engines (mean, of 64 in flight): 1 replica {one['requests_in_engines_mean']:.1f}, "
           f"2 replicas {two['requests_in_engines_mean']:.1f}; unstreamed {one_ns['requests_in_engines_mean']:.1f}, "
           f"{two_ns['requests_in_engines_mean']:.1f}")
+    for name, r in (("1 replica", one), ("2 replicas", two), ("1 replica, unstreamed", one_ns),
+                    ("2 replicas, unstreamed", two_ns)):
+        if r["cpu_cores"]:
+            print(f"CPUs busy, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items()))
     print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
           f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
     print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
