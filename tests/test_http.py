@@ -279,6 +279,32 @@ def test_shipped_config_serves_the_default_model():
         srv.stop()
 
 
+def test_shipped_config_under_direct_ingress():
+    """configs/config.yaml under Ray Serve's direct ingress (README: "Many streams on one
+    host"): the ingress replica answers HTTP on its own port, with no proxy between,
+    and the OpenAI surface is the same: streamed tokens equal the unstreamed answer, and
+    a bad request is a 400 with an OpenAI error body."""
+    import yaml
+
+    from .serving import ROOT
+
+    cfg = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    srv = ServeRun(cfg["applications"], direct_ingress=True)
+    try:
+        c = openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Name three rivers."}]
+        whole = c.chat.completions.create(model="default", messages=msgs, max_tokens=12, temperature=0)
+        chunks = list(c.chat.completions.create(model="default", messages=msgs, max_tokens=12,
+                                                temperature=0, stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == whole.choices[0].message.content and whole.usage.completion_tokens == 12
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="default", messages=msgs, max_tokens=-1)
+        assert e.value.body["type"] == "invalid_request_error"
+    finally:
+        srv.stop()
+
+
 def test_serve_bench_measures_the_real_server(server):
     """bench/serve_bench.py against this server: every request completes with exactly
     its output length (EOS banned through logit_bias), the prefix workload hits the
