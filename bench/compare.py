@@ -188,6 +188,40 @@ def find_vllm_mlx(arg: str | None) -> tuple[str | None, str]:
 
 
 # -- measuring -----------------------------------------------------------------------------
+def host_speed(seconds: float = 0.5) -> float:
+    """GFLOP/s of a 256x256 fp32 matmul on the default device: a yardstick taken before
+    and after each system, so a run on a shared host whose speed moved says so."""
+    import mlx.core as mx
+
+    a = mx.random.normal((256, 256))
+    mx.eval(a)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        mx.eval(a @ a)
+        n += 1
+    return 2 * 256 ** 3 * n / (time.perf_counter() - t0) / 1e9
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs from /proc/stat; None where there is none.
+    Steal is the time a virtual machine's CPUs waited for the hypervisor."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (f[7] if len(f) > 7 else 0), sum(f)
+
+
+def host_during(before: tuple | None, speed_before: float) -> dict:
+    """What the host did while one system ran: its steal share and the yardstick
+    before and after."""
+    after = cpu_ticks()
+    out = {"gflops_before": speed_before, "gflops_after": host_speed()}
+    if before and after and after[1] > before[1]:
+        out["steal_frac"] = (after[0] - before[0]) / (after[1] - before[1])
+    return out
+
+
 def measure(target: Target, requests, rate=math.inf, concurrency=None, seed=0) -> dict:
     async def go():
         backend = target.make_backend()
@@ -505,9 +539,11 @@ def main(argv=None):
     rate = args.poisson_rate
     if rate is None and mlx_lm_sweep(rows):
         rate = poisson_rate(rows, args.output_len)[0]
+    host = {}
     for name in args.systems:
         t0 = time.perf_counter()
         n_before = len(rows)
+        ticks0, speed0 = cpu_ticks(), host_speed()
         if name == "mlx_lm.server":
             with mlx_lm_server(model, top, extra) as t:
                 rows += run_system(t, wl, args, {"random", "prefix", "multi-turn"}, None)
@@ -549,14 +585,18 @@ def main(argv=None):
         for r in rows[n_before:]:
             r["source"] = name
         out.write_text(json.dumps(rows, indent=1))       # a run cut short keeps what it measured
-        print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if len(rows) > n_before:
+            host[name] = host_during(ticks0, speed0)
+        h = host.get(name, {})
+        print(f"-- {name}: {time.perf_counter() - t0:.0f} s; host yardstick {speed0:.1f} -> "
+              f"{h.get('gflops_after', float('nan')):.1f} GFLOP/s, steal {h.get('steal_frac', 0):.1%}", flush=True)
     if not args.no_kv_memory:
         rows = [r for r in rows if r["workload"] != "kv-memory"]
         rows += [{**r, "source": "kv-memory"} for r in kv_memory_rows(model, engine, args)]
 
     meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
             "mlx": mx.__version__, "args": _portable(vars(args)), "skipped": skipped,
-            "poisson_rate_req_s": rate}
+            "poisson_rate_req_s": rate, "host": host}
     for r in rows:
         r.setdefault("meta", meta)
     h = headline(rows, args)
