@@ -176,9 +176,9 @@ def engines_load(url: str):
 
 # Who uses the host's CPUs, by command line: the engines, Serve's actors by role, Ray's
 # own daemons and workers, and this process (the client). First match wins.
-CPU_KINDS = (("engines", "runtime.engine_process"), ("replica fronts", ":LLMServer"),
-             ("ingress", ":OpenAIIngress"), ("proxy", "ProxyActor"), ("controller", "ServeController"),
-             ("ray daemons", "ray"))
+CPU_KINDS = (("engines", ("runtime.engine_process",)), ("replica fronts", (":LLMServer",)),
+             ("ingress", (":OpenAIIngress",)), ("proxy", ("ProxyActor",)),
+             ("controller", ("ServeController",)), ("ray daemons", ("ray/", "ray::")))
 
 
 def cpu_seconds() -> dict[str, float] | None:
@@ -197,7 +197,7 @@ def cpu_seconds() -> dict[str, float] | None:
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue   # it exited meanwhile
-        kind = "client" if int(d.name) == os.getpid() else next((k for k, pat in CPU_KINDS if pat in cmd), None)
+        kind = "client" if int(d.name) == os.getpid() else next((k for k, pats in CPU_KINDS if any(p in cmd for p in pats)), None)
         if kind:
             out[kind] += (int(fields[11]) + int(fields[12])) / tick   # utime + stime
     return out

@@ -587,9 +587,10 @@ def main(argv=None):
         out.write_text(json.dumps(rows, indent=1))       # a run cut short keeps what it measured
         if len(rows) > n_before:
             host[name] = host_during(ticks0, speed0)
-        h = host.get(name, {})
+        probe = host.get(name, {})
         print(f"-- {name}: {time.perf_counter() - t0:.0f} s; host yardstick {speed0:.1f} -> "
-              f"{h.get('gflops_after', float('nan')):.1f} GFLOP/s, steal {h.get('steal_frac', 0):.1%}", flush=True)
+              f"{probe.get('gflops_after', float('nan')):.1f} GFLOP/s, steal {probe.get('steal_frac', 0):.1%}",
+              flush=True)
     if not args.no_kv_memory:
         rows = [r for r in rows if r["workload"] != "kv-memory"]
         rows += [{**r, "source": "kv-memory"} for r in kv_memory_rows(model, engine, args)]
