@@ -6,9 +6,11 @@ prefix-aware routing vs Ray's default router on a multi-prefix workload.
 so replicas land one per node. Routing is compared with 2 and with 3 replicas. Beside
 the served runs, bare engines pinned one per CPU show what the cores themselves scale to.
 Writes `bench/results/cluster.json` and `cluster.png` (`--replot` redraws the PNG
-from the JSON).
+from the JSON). `--direct-ingress` runs the same under Ray Serve's direct ingress (each
+app's ingress replica answers HTTP on a port of its own, no proxy between) and writes
+`cluster_direct_ingress.json` / `.png`.
 
-    python bench/cluster_bench.py
+    python bench/cluster_bench.py [--direct-ingress]
 """
 
 import argparse
@@ -20,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -39,16 +42,26 @@ ROUTER = {"request_router_class": "deployments.router:PrefixAwareRouter",
           "request_routing_stats_period_s": 1, "request_routing_stats_timeout_s": 5}
 
 
-def start_cluster(num_macs: int):
+DIRECT_INGRESS_PORTS = 64   # ports in the range the apps' ingress replicas bind in
+
+
+def start_cluster(num_macs: int, direct_ingress: bool = False):
     """A head node plus `num_macs` nodes with a `mac` resource; Serve on 127.0.0.1 with
     one HTTP proxy, on the head node, as `configs/cluster.yaml` runs it (a proxy on every
-    node would put four on this host's cores, three of them idle)."""
+    node would put four on this host's cores, three of them idle). `direct_ingress`
+    turns on Ray Serve's direct ingress for the cluster's processes (`app_url` finds
+    each app's port)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from tests.serving import free_port
 
+    if direct_ingress:   # read where Ray's processes start, so set before the nodes
+        base = free_port()
+        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+                          RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(base),
+                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(base + DIRECT_INGRESS_PORTS))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(num_macs):
         cluster.add_node(num_cpus=2, resources={"mac": 2})
@@ -83,6 +96,25 @@ def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks:
                    engine={"num_gpu_blocks": kv_blocks, "block_size": 16, "max_num_seqs": 32},
                    ingress={"ray_actor_options": {"num_cpus": 0.1}}, pin_cpus=pin_cpus)
     serve.run(build_app(args), name=name, route_prefix=route)
+
+
+def app_url(url: str, route: str, timeout: float = 60.0) -> str:
+    """Where an app deployed at `route` answers: through the proxy at `url`, or under
+    direct ingress on its ingress replica's own port (the first in the range whose
+    `route` answers /health; deploy one app at a time there)."""
+    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        return url + route
+    low = int(os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for port in range(low, low + DIRECT_INGRESS_PORTS):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}{route}/health", timeout=1).status_code == 200:
+                    return f"http://127.0.0.1:{port}{route}"
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no direct-ingress port answers {route}")
 
 
 def replica_metrics(url: str) -> dict[str, dict[str, float]]:
@@ -181,14 +213,14 @@ CPU_KINDS = (("engines", ("runtime.engine_process",)), ("replica fronts", (":LLM
              ("controller", ("ServeController",)), ("ray daemons", ("ray/", "ray::")))
 
 
-def cpu_seconds() -> dict[str, float] | None:
-    """CPU seconds each kind of process in `CPU_KINDS` (and the client) has used so far,
-    from /proc; None where there is none (macOS)."""
+def cpu_seconds() -> dict[int, tuple[str, float]] | None:
+    """{pid: (kind, CPU seconds used so far)} for the processes of `CPU_KINDS` and this
+    one (the client), from /proc; None where there is none (macOS)."""
     proc = Path("/proc")
     if not (proc / "self" / "stat").exists():
         return None
     tick = os.sysconf("SC_CLK_TCK")
-    out = {k: 0.0 for k, _ in CPU_KINDS} | {"client": 0.0}
+    out = {}
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
@@ -197,18 +229,25 @@ def cpu_seconds() -> dict[str, float] | None:
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue   # it exited meanwhile
-        kind = "client" if int(d.name) == os.getpid() else next((k for k, pats in CPU_KINDS if any(p in cmd for p in pats)), None)
+        pid = int(d.name)
+        kind = "client" if pid == os.getpid() else next(
+            (k for k, pats in CPU_KINDS if any(p in cmd for p in pats)), None)
         if kind:
-            out[kind] += (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+            out[pid] = (kind, (int(fields[11]) + int(fields[12])) / tick)   # utime + stime
     return out
 
 
 def cores_used(before: dict | None, after: dict | None, wall_s: float) -> dict[str, float] | None:
-    """Mean CPUs each kind kept busy between two `cpu_seconds()` snapshots. A process
-    that exited meanwhile takes its seconds with it, so a kind can read low, never high."""
+    """Mean CPUs each kind kept busy between two `cpu_seconds()` snapshots, process by
+    process: one started meanwhile counts whole, one that exited meanwhile is missed (a
+    kind can read low, never high)."""
     if before is None or after is None:
         return None
-    used = {k: max(after[k] - before.get(k, 0.0), 0.0) / wall_s for k in after}
+    used = {k: 0.0 for k, _ in CPU_KINDS} | {"client": 0.0}
+    for pid, (kind, secs) in after.items():
+        was = before.get(pid)
+        used[kind] += secs - (was[1] if was and was[0] == kind else 0.0)
+    used = {k: v / wall_s for k, v in used.items()}
     return {**used, "total": sum(used.values())}
 
 
@@ -302,7 +341,8 @@ def plot(result: dict, path: Path) -> Path:
         ax[3].set_ylabel("CPUs busy (mean)")
         ax[3].set_title("where the CPUs go (throughput runs)")
         ax[3].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"simulated Mac cluster on one {result.get('num_cpus', '?')}-CPU host (bench/cluster_bench.py)")
+    how = ", direct ingress" if result.get("direct_ingress") else ""
+    fig.suptitle(f"simulated Mac cluster on one {result.get('num_cpus', '?')}-CPU host{how} (bench/cluster_bench.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -314,49 +354,57 @@ def main(argv=None):
     ap.add_argument("--families", type=int, default=16)
     ap.add_argument("--per-family", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="family sets per routing comparison")
-    ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="Ray Serve's direct ingress (no proxy hop); default --out cluster_direct_ingress.json")
+    ap.add_argument("--out", default=None, help="default: bench/results/cluster.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("cluster_direct_ingress.json" if args.direct_ingress else "cluster.json"))
     if args.replot:
         print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
         return
     bare = {"one": bare_engines([0]), "two": bare_engines([0, 1])}
-    cluster, url = start_cluster(num_macs=3)
-    try:
-        # Each replica's engine thread on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as
-        # a replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
-        deploy("one", "/one", 1, None, kv_blocks=256, pin_cpus=1)
-        deploy("two", "/two", 2, None, kv_blocks=256, pin_cpus=1)
-        # 64 in flight: enough to fill both replicas' 32 sequences, so each setup runs
-        # at its capacity (with fewer, two replicas would each run half-empty batches).
-        load, lengths = mixed_load(32 + 256)
-        run_workload(url + "/one", load[:32], 16, 16)
-        run_workload(url + "/two", load[:32], 16, 16)
-        one = run_workload(url + "/one", load[32:], concurrency=64, max_tokens=lengths[32:])
-        two = run_workload(url + "/two", load[32:], concurrency=64, max_tokens=lengths[32:])
-        # The same requests unstreamed: two Ray messages per request instead of one per
-        # chunk, which shows how much of the CPU the streaming path takes from the engines.
-        one_ns = run_workload(url + "/one", load[32:], concurrency=64, max_tokens=lengths[32:], stream=False)
-        two_ns = run_workload(url + "/two", load[32:], concurrency=64, max_tokens=lengths[32:], stream=False)
+    cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress)
+
+    @contextmanager
+    def app(name: str, *deploy_args, **deploy_kwargs):
+        """One app at a time: deployed, its URL, then deleted (which frees its Macs)."""
         from ray import serve
-        for name in ("one", "two"):          # free the simulated Macs
+
+        deploy(name, "/" + name, *deploy_args, **deploy_kwargs)
+        try:
+            yield app_url(url, "/" + name)
+        finally:
             serve.delete(name)
 
+    try:
+        # 64 in flight: enough to fill both replicas' 32 sequences, so each setup runs
+        # at its capacity (with fewer, two replicas would each run half-empty batches).
+        # Unstreamed, a request costs two Ray messages instead of one per chunk, which
+        # shows how much of the CPU the streaming path takes from the engines.
+        load, lengths = mixed_load(32 + 256)
+        tput = {}
+        for name, replicas in (("one", 1), ("two", 2)):
+            # Each replica's engine on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
+            # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
+            with app(name, replicas, None, kv_blocks=256, pin_cpus=1) as u:
+                run_workload(u, load[:32], 16, 16)
+                tput[name] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:])
+                tput[name + "_ns"] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:],
+                                                  stream=False)
+        one, two, one_ns, two_ns = tput["one"], tput["two"], tput["one_ns"], tput["two_ns"]
+
         # Each family set (new prefixes per seed) runs once per router; hit rates add up
-        # over the sets, since one set's figure for Ray's router swings with chance.
+        # over the sets, since one set's figure for Ray's router swings with chance. With
+        # 3 replicas, routing by chance scatters each family over more caches.
         sets = [families(args.families, prefix_blocks=5, per_family=args.per_family, seed=k)
                 for k in range(args.repeats)]
-        deploy("prefix", "/prefix", 2, ROUTER, kv_blocks=44)
-        deploy("default", "/default", 2, None, kv_blocks=44)
-        pre = combine([run_workload(url + "/prefix", p) for p in sets])
-        dflt = combine([run_workload(url + "/default", p) for p in sets])
-        for name in ("prefix", "default"):
-            serve.delete(name)
-        # With more replicas, routing by chance scatters each family over more caches.
-        deploy("prefix3", "/prefix3", 3, ROUTER, kv_blocks=44)
-        deploy("default3", "/default3", 3, None, kv_blocks=44)
-        pre3 = combine([run_workload(url + "/prefix3", p) for p in sets])
-        dflt3 = combine([run_workload(url + "/default3", p) for p in sets])
+        routed = {}
+        for name, replicas, router in (("prefix", 2, ROUTER), ("default", 2, None),
+                                       ("prefix3", 3, ROUTER), ("default3", 3, None)):
+            with app(name, replicas, router, kv_blocks=44) as u:
+                routed[name] = combine([run_workload(u, p) for p in sets])
+        pre, dflt, pre3, dflt3 = routed["prefix"], routed["default"], routed["prefix3"], routed["default3"]
     finally:
         stop_cluster(cluster)
     result = {
@@ -396,6 +444,7 @@ def main(argv=None):
                  f"{args.repeats} sets of {args.families} prefix families x {args.per_family} requests, "
                  "5-block prefixes, 44 KV blocks per replica"),
         "num_cpus": os.cpu_count(),
+        "direct_ingress": args.direct_ingress,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
