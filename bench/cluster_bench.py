@@ -55,13 +55,11 @@ def start_cluster(num_macs: int, direct_ingress: bool = False):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from tests.serving import free_port
+    from tests.serving import direct_ingress_env, free_port
 
-    if direct_ingress:   # read where Ray's processes start, so set before the nodes
+    if direct_ingress:   # set before the nodes start, which read it
         base = free_port()
-        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
-                          RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(base),
-                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(base + DIRECT_INGRESS_PORTS))
+        os.environ.update(direct_ingress_env(base, base + DIRECT_INGRESS_PORTS))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(num_macs):
         cluster.add_node(num_cpus=2, resources={"mac": 2})

@@ -21,6 +21,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def direct_ingress_env(low: int, high: int) -> dict[str, str]:
+    """Ray Serve's direct-ingress settings, read where Ray's processes start: on, with
+    the ingress replicas' HTTP ports taken from [low, high)."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(low),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(high)}
+
+
 def serve_env() -> dict:
     env = dict(os.environ)
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
@@ -55,8 +62,7 @@ class ServeRun:
         if direct_ingress:   # Serve still starts its proxy: it keeps a port of its own
             while self.port == proxy_port:
                 self.port = free_port()
-            env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(self.port),
-                       RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(self.port + 1))  # [min, max)
+            env.update(direct_ingress_env(self.port, self.port + 1))
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
         cfg = {"proxy_location": "HeadOnly",
                "http_options": {"host": "127.0.0.1", "port": proxy_port},
