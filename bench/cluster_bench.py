@@ -79,7 +79,7 @@ def stop_cluster(cluster) -> None:
 
 
 def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks: int = 48,
-           autoscaling: dict | None = None, pin_cpus: int | None = None):
+           autoscaling: dict | None = None, pin_cpus: int | None = None, device: str | None = None):
     from ray import serve
 
     from deployments.app import AppArgs, build_app
@@ -91,7 +91,7 @@ def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks:
     if autoscaling:
         llm["autoscaling_config"] = autoscaling
     args = AppArgs(served_model_name=MODEL, llm_server=llm,
-                   engine={"num_gpu_blocks": kv_blocks, "block_size": 16, "max_num_seqs": 32},
+                   engine={"num_gpu_blocks": kv_blocks, "block_size": 16, "max_num_seqs": 32, "device": device},
                    ingress={"ray_actor_options": {"num_cpus": 0.1}}, pin_cpus=pin_cpus)
     serve.run(build_app(args), name=name, route_prefix=route)
 
@@ -130,7 +130,7 @@ import os, random, sys
 os.sched_setaffinity(0, {int(sys.argv[1])})
 from bench.bench_continuous_vs_static import run_ours
 from runtime import EngineConfig, LLMEngine
-eng = LLMEngine(EngineConfig(num_gpu_blocks=512, max_num_seqs=32))
+eng = LLMEngine(EngineConfig(num_gpu_blocks=512, max_num_seqs=32, device=sys.argv[2] if len(sys.argv) > 2 else None))
 rng = random.Random(1)
 reqs = [([rng.randrange(3, 500) for _ in range(64)], 64) for _ in range(32)] * 3
 run_ours(eng, reqs[:32], 32, "warm")
@@ -138,12 +138,13 @@ print(run_ours(eng, reqs, 32, "bare")["output_tok_s"])
 """
 
 
-def bare_engines(cpus: list[int]) -> float:
+def bare_engines(cpus: list[int], device: str | None = None) -> float:
     """Aggregate tok/s of bare `LLMEngine`s (no Ray, no HTTP), one per CPU in `cpus`,
     each pinned there and running 32 sequences: what the cores give without serving."""
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-c", BARE, str(c)], stdout=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen([sys.executable, "-c", BARE, str(c)] + ([device] if device else []),
+                              stdout=subprocess.PIPE, text=True, env=env)
              for c in cpus]
     return sum(float(p.communicate()[0].split()[-1]) for p in procs)
 
@@ -354,6 +355,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="family sets per routing comparison")
     ap.add_argument("--direct-ingress", action="store_true",
                     help="Ray Serve's direct ingress (no proxy hop); default --out cluster_direct_ingress.json")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                    help="MLX device of every engine (default: MLX's); `cpu` on a GPU host measures "
+                         "replicas on its cores")
     ap.add_argument("--out", default=None, help="default: bench/results/cluster.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     args = ap.parse_args(argv)
@@ -361,7 +365,7 @@ def main(argv=None):
     if args.replot:
         print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
         return
-    bare = {"one": bare_engines([0]), "two": bare_engines([0, 1])}
+    bare = {"one": bare_engines([0], args.device), "two": bare_engines([0, 1], args.device)}
     cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress)
 
     @contextmanager
@@ -385,7 +389,7 @@ def main(argv=None):
         for name, replicas in (("one", 1), ("two", 2)):
             # Each replica's engine on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
             # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
-            with app(name, replicas, None, kv_blocks=256, pin_cpus=1) as u:
+            with app(name, replicas, None, kv_blocks=256, pin_cpus=1, device=args.device) as u:
                 run_workload(u, load[:32], 16, 16)
                 tput[name] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:])
                 tput[name + "_ns"] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:],
@@ -400,7 +404,7 @@ def main(argv=None):
         routed = {}
         for name, replicas, router in (("prefix", 2, ROUTER), ("default", 2, None),
                                        ("prefix3", 3, ROUTER), ("default3", 3, None)):
-            with app(name, replicas, router, kv_blocks=44) as u:
+            with app(name, replicas, router, kv_blocks=44, device=args.device) as u:
                 routed[name] = combine([run_workload(u, p) for p in sets])
         pre, dflt, pre3, dflt3 = routed["prefix"], routed["default"], routed["prefix3"], routed["default3"]
     finally:
@@ -443,10 +447,14 @@ def main(argv=None):
                  "5-block prefixes, 44 KV blocks per replica"),
         "num_cpus": os.cpu_count(),
         "direct_ingress": args.direct_ingress,
+        "device": args.device or "default",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    plot(result, Path(args.out).with_suffix(".png"))
+    try:
+        plot(result, Path(args.out).with_suffix(".png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot (--replot makes it later)")
     print(f"bare engines: 1 CPU {bare['one']:.0f} tok/s, 2 CPUs {bare['two']:.0f} tok/s "
           f"({bare['two'] / bare['one']:.2f}x)")
     print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "

@@ -17,7 +17,8 @@ class EngineConfig:
     None turns it on where it was measured to pay: every decode step with the fused
     CUDA kernel, decode steps of up to 8 sequences with `gather`.
     `fuse_projections` concatenates each layer's q/k/v and gate/up weights, so each
-    set is one matmul (models/fuse.py).
+    set is one matmul (models/fuse.py). `device` ("cpu" or "gpu") overrides MLX's
+    default device for the engine's process, e.g. to run replicas on a host's cores.
     """
 
     model: str = str(default_model_path())
@@ -38,6 +39,7 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0
     trust_remote_code: bool = False
+    device: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -51,5 +53,7 @@ class EngineConfig:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover max_model_len")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError("num_gpu_blocks must be at least 1")
+        if self.device not in (None, "cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")

@@ -68,6 +68,12 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        if config.device is not None:
+            device = mx.cpu if config.device == "cpu" else mx.gpu
+            if not mx.is_available(device):
+                raise ValueError(f"device {config.device!r} is not available to MLX here "
+                                 f"(default: {mx.default_device()})")
+            mx.set_default_device(device)
         self.model, self.tokenizer, self.model_config = load(config.model, config.trust_remote_code)
         if config.fuse_projections:
             log.info("fused %d projection sets", fuse_projections(self.model))

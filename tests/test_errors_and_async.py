@@ -5,6 +5,7 @@ import json
 import math
 import shutil
 
+import mlx.core as mx
 import pytest
 
 from runtime import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
@@ -74,6 +75,28 @@ def test_unknown_architecture_is_refused(tmp_path, default_model):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="no_such_arch"):
         LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=8))
+
+
+def test_engine_device_choice(default_model, engine):
+    """`device` picks MLX's device for the engine's process; a device this MLX build
+    lacks is a clear error, never a silent fallback."""
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(device="tpu")
+    for name in ("cpu", "gpu"):
+        if not mx.is_available(getattr(mx, name)):
+            with pytest.raises(ValueError, match="not available"):
+                LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=8, device=name))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64, device="cpu"), process=True)
+    try:
+        async def run():
+            return [o async for o in eng.generate(params=params, prompt_token_ids=[5, 6, 7])][-1]
+        out = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert len(out.outputs[0].token_ids) == 8
+    if mx.default_device() == mx.cpu:
+        assert out.outputs[0].token_ids == engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["loop-on-thread", "loop-in-process"])
