@@ -358,6 +358,7 @@ def main(argv=None):
     ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
                     help="MLX device of every engine (default: MLX's); `cpu` on a GPU host measures "
                          "replicas on its cores")
+    ap.add_argument("--skip-routing", action="store_true", help="throughput only (routing fields null)")
     ap.add_argument("--out", default=None, help="default: bench/results/cluster.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     args = ap.parse_args(argv)
@@ -404,6 +405,9 @@ def main(argv=None):
         routed = {}
         for name, replicas, router in (("prefix", 2, ROUTER), ("default", 2, None),
                                        ("prefix3", 3, ROUTER), ("default3", 3, None)):
+            if args.skip_routing:
+                routed[name] = {"hit_rate": None, "ttft_p50_s": None, "ttft_p95_s": None}
+                continue
             with app(name, replicas, router, kv_blocks=44, device=args.device) as u:
                 routed[name] = combine([run_workload(u, p) for p in sets])
         pre, dflt, pre3, dflt3 = routed["prefix"], routed["default"], routed["prefix3"], routed["default3"]
@@ -452,7 +456,8 @@ def main(argv=None):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     try:
-        plot(result, Path(args.out).with_suffix(".png"))
+        if not args.skip_routing:
+            plot(result, Path(args.out).with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot (--replot makes it later)")
     print(f"bare engines: 1 CPU {bare['one']:.0f} tok/s, 2 CPUs {bare['two']:.0f} tok/s "
@@ -467,9 +472,10 @@ def main(argv=None):
                     ("2 replicas, unstreamed", two_ns)):
         if r["cpu_cores"]:
             print(f"CPUs busy, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items()))
-    print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
-          f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
-    print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
+    if not args.skip_routing:
+        print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
+              f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
+        print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
     print("wrote", args.out)
 
 
