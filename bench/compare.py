@@ -4,7 +4,8 @@ prefix cache off, with its engine loop on a thread of the replica instead of its
 process, and (on CUDA) with gather instead of kernel attention. Opt-in
 `ours-direct-ingress`: the app under Ray Serve's direct ingress, where the ingress
 replica serves HTTP itself and no proxy relays requests and stream chunks; opt-in
-`ours-2-ingress`: the app with two ingress replicas behind the proxy.
+`ours-2-ingress`: the app with two ingress replicas behind the proxy; opt-in
+`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap).
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -579,6 +580,10 @@ def main(argv=None):
             ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
             with ours(model, engine, "ours", extra, ingress=ingress) as t:
                 rows += variant_sweep(t, wl, args, "2 ingress replicas", ingress_replicas=2)
+        elif name.startswith("ours-chunks-"):
+            cap = float(name.removeprefix("ours-chunks-"))
+            with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:
+                rows += variant_sweep(t, wl, args, f"{cap:g} chunks/s", max_stream_chunks_per_s=cap)
         elif name == "ours-engine-thread":
             with ours(model, engine, "ours", extra, engine_process=False) as t:
                 rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)

@@ -4,9 +4,12 @@ lost mid-run, and autoscaling."""
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import yaml
 
 from bench.cluster_bench import ROUTER, deploy, families, run_workload, start_cluster, stop_cluster
 
@@ -108,3 +111,43 @@ def test_autoscaling_up_and_down(cluster):
         time.sleep(2)
     print(f"autoscaling: peak {peak} replicas, {running()} after the load")
     assert peak == 2 and running() == 1
+
+
+def test_shipped_cluster_config_deploys(cluster, monkeypatch):
+    """configs/cluster.yaml as shipped, on the simulated Macs, with two things swapped:
+    the model (the embedded one; nothing is downloaded here) and its KV pool's size."""
+    import ray
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+    from ray.util.state import list_actors
+
+    from deployments.app import build_app
+
+    serve.delete("auto")
+    conf = yaml.safe_load((Path(__file__).parents[1] / "configs" / "cluster.yaml").read_text())
+    ServeDeploySchema.model_validate(conf)
+    args = dict(conf["applications"][0]["args"])
+    args.pop("model")
+    args["engine"] = {k: v for k, v in args["engine"].items() if k != "kv_cache_memory_fraction"}
+    args["engine"]["num_gpu_blocks"] = 64
+    monkeypatch.setenv(args["api_keys_env"], "sk-cluster")
+    serve.run(build_app(args), name="shipped", route_prefix="/shipped")
+
+    deployments = serve.status().applications["shipped"].deployments
+    assert deployments["LLMServer"].replica_states.get("RUNNING") == 2      # initial_replicas
+    assert deployments["OpenAIIngress"].replica_states.get("RUNNING") == 2  # min_replicas
+    nodes = {a.node_id for a in list_actors(filters=[("class_name", "=", "ServeReplica:shipped:LLMServer"),
+                                                     ("state", "=", "ALIVE")])}
+    mac_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("mac")}
+    assert len(nodes) == 2 and nodes <= mac_nodes, "one replica per Mac"
+
+    url = cluster + "/shipped/v1"
+    c = openai.OpenAI(base_url=url, api_key="sk-cluster", max_retries=0)
+    out = c.completions.create(model=args["served_model_name"], prompt="hello", max_tokens=4)
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+    stream = c.chat.completions.create(model=args["served_model_name"], max_tokens=4, stream=True,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert [ch.choices[0].finish_reason for ch in stream if ch.choices][-1] == "length"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    serve.delete("shipped")
