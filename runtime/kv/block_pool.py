@@ -78,10 +78,11 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
 
 def device_memory_bytes() -> int:
     """Memory the default device may use: Metal's recommended working set, CUDA's
-    memory size, or the host's RAM on the CPU backend."""
+    memory size, or the host's RAM when the default device is the CPU (a GPU build
+    running an engine with `device="cpu"` among them)."""
     import mlx.core as mx
 
-    info = mx.device_info()
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])
