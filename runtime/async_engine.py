@@ -11,11 +11,14 @@ goes on; if steps keep failing, or the loop or its process dies, every waiter ge
 """
 
 import asyncio
+import atexit
 import itertools
 import logging
 import math
 import queue
 import threading
+import weakref
+from functools import partial
 from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
@@ -112,6 +115,8 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._loop.run, args=(self._recv, self._on_events),
                                             name="mlx-engine", daemon=True)
             self._thread.start()
+            self._stop_at_exit = partial(_stop_at_exit, weakref.ref(self))
+            atexit.register(self._stop_at_exit)
         if not self._ready.wait(start_timeout):
             self.shutdown(timeout=1.0)
             raise TimeoutError("engine did not start in time")
@@ -214,6 +219,7 @@ class AsyncEngine:
         else:
             self._send(("stop",))
             self._thread.join(timeout)
+            atexit.unregister(self._stop_at_exit)
 
     # -- the loop's side ---------------------------------------------------------------
     def _recv(self, block: bool) -> list:
@@ -284,3 +290,11 @@ class AsyncEngine:
 def _deliver(items: list) -> None:
     for stream, item in items:
         stream.put(item)
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    """An engine thread still running MLX when the interpreter exits can abort the
+    process (MLX's per-thread streams outlive the runtime): stop it first."""
+    engine = ref()
+    if engine is not None and engine._thread.is_alive():
+        engine.shutdown(timeout=5.0)

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Callable
 
+import mlx.core as mx
+
 from .config import EngineConfig
 from .engine import LLMEngine
 
@@ -66,6 +68,9 @@ class EngineLoop:
             return
         finally:
             engine.close()   # the engine's worker thread goes with its loop
+            # MLX's streams are per thread, and MLX leaves their cleanup to the thread
+            # that made them: left for interpreter exit, it aborts the process.
+            mx.clear_streams()
         emit([("stopped",)])
 
     def _apply(self, cmd: tuple, events: list) -> None:

@@ -114,3 +114,24 @@ def test_the_engine_process_never_outlives_its_server(default_model, tmp_path):
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     child = int(out.stdout.split()[0])
     assert exited(child, 30), f"engine process {child} outlived its server"
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["loop-on-thread", "loop-in-process"])
+@pytest.mark.parametrize("shutdown", [True, False], ids=["shut-down", "left-running"])
+def test_the_interpreter_exits_cleanly_after_an_engine(default_model, process, shutdown):
+    """MLX's streams belong to the thread that made them and must be cleared there: an
+    engine thread that left it to interpreter exit aborted the process ("terminate
+    called without an active exception", exit 134) in most runs, shut down or not."""
+    script = textwrap.dedent(f"""
+        import asyncio
+        from runtime import AsyncEngine, EngineConfig, SamplingParams
+        eng = AsyncEngine(EngineConfig(model={default_model!r}, num_gpu_blocks=32), process={process})
+        async def main():
+            return [o async for o in eng.generate("hello", SamplingParams(max_tokens=4))][-1]
+        print(len(asyncio.run(main()).outputs[0].token_ids), flush=True)
+        if {shutdown}:
+            eng.shutdown()
+    """)
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.split() == ["4"], out.stderr[-2000:]
