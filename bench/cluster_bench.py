@@ -8,9 +8,11 @@ the served runs, bare engines pinned one per CPU show what the cores themselves 
 Writes `bench/results/cluster.json` and `cluster.png` (`--replot` redraws the PNG
 from the JSON). `--direct-ingress` runs the same under Ray Serve's direct ingress (each
 app's ingress replica answers HTTP on a port of its own, no proxy between) and writes
-`cluster_direct_ingress.json` / `.png`.
+`cluster_direct_ingress.json` / `.png`. `--parts throughput` or `--parts routing` runs
+one half alone; `--device cpu` puts every engine on MLX's CPU backend, to measure
+replicas on the cores of a GPU host.
 
-    python bench/cluster_bench.py [--direct-ingress]
+    python bench/cluster_bench.py [--direct-ingress] [--parts throughput routing] [--device cpu]
 """
 
 import argparse
@@ -348,76 +350,44 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", type=int, default=16)
-    ap.add_argument("--per-family", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3, help="family sets per routing comparison")
-    ap.add_argument("--direct-ingress", action="store_true",
-                    help="Ray Serve's direct ingress (no proxy hop); default --out cluster_direct_ingress.json")
-    ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
-                    help="MLX device of every engine (default: MLX's); `cpu` on a GPU host measures "
-                         "replicas on its cores")
-    ap.add_argument("--skip-routing", action="store_true", help="throughput only (routing fields null)")
-    ap.add_argument("--out", default=None, help="default: bench/results/cluster.json")
-    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
-    args = ap.parse_args(argv)
-    args.out = args.out or str(RESULTS / ("cluster_direct_ingress.json" if args.direct_ingress else "cluster.json"))
-    if args.replot:
-        print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
-        return
-    bare = {"one": bare_engines([0], args.device), "two": bare_engines([0, 1], args.device)}
-    cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress)
+def measure_throughput(app, device: str | None) -> dict:
+    """1 vs 2 replicas, each engine pinned to its own CPU, streamed and unstreamed."""
+    # 64 in flight: enough to fill both replicas' 32 sequences, so each setup runs at
+    # its capacity (with fewer, two replicas would each run half-empty batches).
+    # Unstreamed, a request costs two Ray messages instead of one per chunk, which shows
+    # how much of the CPU the streaming path takes from the engines.
+    load, lengths = mixed_load(32 + 256)
+    tput = {}
+    for name, replicas in (("one", 1), ("two", 2)):
+        # Each replica's engine on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
+        # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
+        with app(name, replicas, None, kv_blocks=256, pin_cpus=1, device=device) as u:
+            run_workload(u, load[:32], 16, 16)
+            tput[name] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:])
+            tput[name + "_ns"] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:],
+                                              stream=False)
+    return tput
 
-    @contextmanager
-    def app(name: str, *deploy_args, **deploy_kwargs):
-        """One app at a time: deployed, its URL, then deleted (which frees its Macs)."""
-        from ray import serve
 
-        deploy(name, "/" + name, *deploy_args, **deploy_kwargs)
-        try:
-            yield app_url(url, "/" + name)
-        finally:
-            serve.delete(name)
+def measure_routing(app, args) -> dict:
+    """Prefix-aware vs Ray's default router, with 2 and with 3 replicas."""
+    # Each family set (new prefixes per seed) runs once per router; hit rates add up
+    # over the sets, since one set's figure for Ray's router swings with chance. With 3
+    # replicas, routing by chance scatters each family over more caches.
+    sets = [families(args.families, prefix_blocks=5, per_family=args.per_family, seed=k)
+            for k in range(args.repeats)]
+    routed = {}
+    for name, replicas, router in (("prefix", 2, ROUTER), ("default", 2, None),
+                                   ("prefix3", 3, ROUTER), ("default3", 3, None)):
+        with app(name, replicas, router, kv_blocks=44, device=args.device) as u:
+            routed[name] = combine([run_workload(u, p) for p in sets])
+    return routed
 
-    try:
-        # 64 in flight: enough to fill both replicas' 32 sequences, so each setup runs
-        # at its capacity (with fewer, two replicas would each run half-empty batches).
-        # Unstreamed, a request costs two Ray messages instead of one per chunk, which
-        # shows how much of the CPU the streaming path takes from the engines.
-        load, lengths = mixed_load(32 + 256)
-        tput = {}
-        for name, replicas in (("one", 1), ("two", 2)):
-            # Each replica's engine on its own CPU (rank 0 -> CPU 0, rank 1 -> CPU 1), as a
-            # replica owns its Mac: 1 replica gets one core of MLX work, 2 replicas two.
-            with app(name, replicas, None, kv_blocks=256, pin_cpus=1, device=args.device) as u:
-                run_workload(u, load[:32], 16, 16)
-                tput[name] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:])
-                tput[name + "_ns"] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:],
-                                                  stream=False)
-        one, two, one_ns, two_ns = tput["one"], tput["two"], tput["one_ns"], tput["two_ns"]
 
-        # Each family set (new prefixes per seed) runs once per router; hit rates add up
-        # over the sets, since one set's figure for Ray's router swings with chance. With
-        # 3 replicas, routing by chance scatters each family over more caches.
-        sets = [families(args.families, prefix_blocks=5, per_family=args.per_family, seed=k)
-                for k in range(args.repeats)]
-        routed = {}
-        for name, replicas, router in (("prefix", 2, ROUTER), ("default", 2, None),
-                                       ("prefix3", 3, ROUTER), ("default3", 3, None)):
-            if args.skip_routing:
-                routed[name] = {"hit_rate": None, "ttft_p50_s": None, "ttft_p95_s": None}
-                continue
-            with app(name, replicas, router, kv_blocks=44, device=args.device) as u:
-                routed[name] = combine([run_workload(u, p) for p in sets])
-        pre, dflt, pre3, dflt3 = routed["prefix"], routed["default"], routed["prefix3"], routed["default3"]
-    finally:
-        stop_cluster(cluster)
-    result = {
+def throughput_fields(bare: dict, t: dict) -> dict:
+    one, two, one_ns, two_ns = t["one"], t["two"], t["one_ns"], t["two_ns"]
+    return {
         "replicas_1_output_tok_s": one["output_tok_s"], "replicas_2_output_tok_s": two["output_tok_s"],
-        "prefix_router_hit_rate": pre["hit_rate"], "default_router_hit_rate": dflt["hit_rate"],
-        "prefix_router_ttft_p50_s": pre["ttft_p50_s"], "default_router_ttft_p50_s": dflt["ttft_p50_s"],
-        "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
         "bare_engines": {"one_cpu_tok_s": bare["one"], "two_cpus_tok_s": bare["two"],
                          "ratio": bare["two"] / bare["one"],
@@ -439,10 +409,96 @@ def main(argv=None):
         "unstreamed": {"replicas_1_output_tok_s": one_ns["output_tok_s"],
                        "replicas_2_output_tok_s": two_ns["output_tok_s"],
                        "throughput_ratio_2_vs_1": two_ns["output_tok_s"] / one_ns["output_tok_s"]},
+    }
+
+
+def routing_fields(r: dict) -> dict:
+    pre, dflt, pre3, dflt3 = r["prefix"], r["default"], r["prefix3"], r["default3"]
+    return {
+        "prefix_router_hit_rate": pre["hit_rate"], "default_router_hit_rate": dflt["hit_rate"],
+        "prefix_router_ttft_p50_s": pre["ttft_p50_s"], "default_router_ttft_p50_s": dflt["ttft_p50_s"],
+        "prefix_router_ttft_p95_s": pre["ttft_p95_s"], "default_router_ttft_p95_s": dflt["ttft_p95_s"],
         "routing_3_replicas": {
             "prefix_router_hit_rate": pre3["hit_rate"], "default_router_hit_rate": dflt3["hit_rate"],
             "prefix_router_ttft_p50_s": pre3["ttft_p50_s"], "default_router_ttft_p50_s": dflt3["ttft_p50_s"]},
-        "details": {"one": one, "two": two, "one_unstreamed": one_ns, "two_unstreamed": two_ns, "prefix": pre, "default": dflt, "prefix3": pre3, "default3": dflt3},
+    }
+
+
+def report(result: dict) -> None:
+    d = result["details"]
+    if "one" in d:
+        bare, c = result["bare_engines"], result["cpu_cores"]
+        print(f"bare engines: 1 CPU {bare['one_cpu_tok_s']:.0f} tok/s, 2 CPUs {bare['two_cpus_tok_s']:.0f} "
+              f"tok/s ({bare['ratio']:.2f}x)")
+        print(f"1 replica {d['one']['output_tok_s']:.0f} tok/s, 2 replicas {d['two']['output_tok_s']:.0f} tok/s "
+              f"({result['throughput_ratio_2_vs_1']:.2f}x); unstreamed {d['one_unstreamed']['output_tok_s']:.0f} vs "
+              f"{d['two_unstreamed']['output_tok_s']:.0f} tok/s ({result['unstreamed']['throughput_ratio_2_vs_1']:.2f}x)")
+        m = result["requests_in_engines_mean"]
+        print(f"requests in the engines (mean, of 64 in flight): 1 replica {m['replicas_1']:.1f}, "
+              f"2 replicas {m['replicas_2']:.1f}; unstreamed {m['replicas_1_unstreamed']:.1f}, "
+              f"{m['replicas_2_unstreamed']:.1f}")
+        for key, name in (("replicas_1", "1 replica"), ("replicas_2", "2 replicas"),
+                          ("replicas_1_unstreamed", "1 replica, unstreamed"),
+                          ("replicas_2_unstreamed", "2 replicas, unstreamed")):
+            if c[key]:
+                print(f"CPUs busy, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in c[key].items()))
+    if "prefix" in d:
+        r3 = result["routing_3_replicas"]
+        print(f"hit rate: prefix router {result['prefix_router_hit_rate']:.1%}, default router "
+              f"{result['default_router_hit_rate']:.1%}; TTFT p50 {result['prefix_router_ttft_p50_s']:.3f}s "
+              f"vs {result['default_router_ttft_p50_s']:.3f}s")
+        print(f"3 replicas: prefix router {r3['prefix_router_hit_rate']:.1%}, default router "
+              f"{r3['default_router_hit_rate']:.1%}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", type=int, default=16)
+    ap.add_argument("--per-family", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="family sets per routing comparison")
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="Ray Serve's direct ingress (no proxy hop); default --out cluster_direct_ingress.json")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                    help="MLX device of every engine (default: MLX's); `cpu` on a GPU host measures "
+                         "replicas on its cores")
+    ap.add_argument("--parts", nargs="+", choices=("throughput", "routing"), default=["throughput", "routing"],
+                    help="what to measure (the JSON holds the fields of those measured)")
+    ap.add_argument("--out", default=None, help="default: bench/results/cluster.json")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
+    args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("cluster_direct_ingress.json" if args.direct_ingress else "cluster.json"))
+    if args.replot:
+        print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
+        return
+    if "throughput" in args.parts:
+        bare = {"one": bare_engines([0], args.device), "two": bare_engines([0, 1], args.device)}
+    cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress)
+
+    @contextmanager
+    def app(name: str, *deploy_args, **deploy_kwargs):
+        """One app at a time: deployed, its URL, then deleted (which frees its Macs)."""
+        from ray import serve
+
+        deploy(name, "/" + name, *deploy_args, **deploy_kwargs)
+        try:
+            yield app_url(url, "/" + name)
+        finally:
+            serve.delete(name)
+
+    result, details = {}, {}
+    try:
+        if "throughput" in args.parts:
+            t = measure_throughput(app, args.device)
+            result.update(throughput_fields(bare, t))
+            details.update(one=t["one"], two=t["two"], one_unstreamed=t["one_ns"], two_unstreamed=t["two_ns"])
+        if "routing" in args.parts:
+            r = measure_routing(app, args)
+            result.update(routing_fields(r))
+            details.update(r)
+    finally:
+        stop_cluster(cluster)
+    result.update({
+        "details": details,
         "note": ("simulated nodes share this machine's cores; for 1 vs 2 replicas each replica's "
                  "engine process (MLX's threads with it) is pinned to its own CPU (pin_cpus=1); Ray's "
                  "own processes and threads and the client are not pinned. Throughput: 256 requests "
@@ -452,30 +508,16 @@ def main(argv=None):
         "num_cpus": os.cpu_count(),
         "direct_ingress": args.direct_ingress,
         "device": args.device or "default",
-    }
+        "parts": args.parts,
+    })
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     try:
-        if not args.skip_routing:
+        if len(args.parts) == 2:
             plot(result, Path(args.out).with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot (--replot makes it later)")
-    print(f"bare engines: 1 CPU {bare['one']:.0f} tok/s, 2 CPUs {bare['two']:.0f} tok/s "
-          f"({bare['two'] / bare['one']:.2f}x)")
-    print(f"1 replica {one['output_tok_s']:.0f} tok/s, 2 replicas {two['output_tok_s']:.0f} tok/s "
-          f"({result['throughput_ratio_2_vs_1']:.2f}x); unstreamed {one_ns['output_tok_s']:.0f} vs "
-          f"{two_ns['output_tok_s']:.0f} tok/s ({result['unstreamed']['throughput_ratio_2_vs_1']:.2f}x)")
-    print(f"requests in the engines (mean, of 64 in flight): 1 replica {one['requests_in_engines_mean']:.1f}, "
-          f"2 replicas {two['requests_in_engines_mean']:.1f}; unstreamed {one_ns['requests_in_engines_mean']:.1f}, "
-          f"{two_ns['requests_in_engines_mean']:.1f}")
-    for name, r in (("1 replica", one), ("2 replicas", two), ("1 replica, unstreamed", one_ns),
-                    ("2 replicas, unstreamed", two_ns)):
-        if r["cpu_cores"]:
-            print(f"CPUs busy, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items()))
-    if not args.skip_routing:
-        print(f"hit rate: prefix router {pre['hit_rate']:.1%}, default router {dflt['hit_rate']:.1%}; "
-              f"TTFT p50 {pre['ttft_p50_s']:.3f}s vs {dflt['ttft_p50_s']:.3f}s")
-        print(f"3 replicas: prefix router {pre3['hit_rate']:.1%}, default router {dflt3['hit_rate']:.1%}")
+    report(result)
     print("wrote", args.out)
 
 
