@@ -134,15 +134,17 @@ from bench.bench_continuous_vs_static import run_ours
 from runtime import EngineConfig, LLMEngine
 eng = LLMEngine(EngineConfig(num_gpu_blocks=512, max_num_seqs=32, device=sys.argv[2] if len(sys.argv) > 2 else None))
 rng = random.Random(1)
-reqs = [([rng.randrange(3, 500) for _ in range(64)], 64) for _ in range(32)] * 3
+reqs = [([rng.randrange(3, 500) for _ in range(64)], 64) for _ in range(32 + 96)]
 run_ours(eng, reqs[:32], 32, "warm")
-print(run_ours(eng, reqs, 32, "bare")["output_tok_s"])
+print(run_ours(eng, reqs[32:], 32, "bare")["output_tok_s"])
 """
 
 
 def bare_engines(cpus: list[int], device: str | None = None) -> float:
     """Aggregate tok/s of bare `LLMEngine`s (no Ray, no HTTP), one per CPU in `cpus`,
-    each pinned there and running 32 sequences: what the cores give without serving."""
+    each pinned there and running 32 sequences: what the cores give without serving.
+    Every prompt is new to the engine (none is in its prefix cache), as the served
+    load's are."""
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [subprocess.Popen([sys.executable, "-c", BARE, str(c)] + ([device] if device else []),
@@ -391,8 +393,9 @@ def throughput_fields(bare: dict, t: dict) -> dict:
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
         "bare_engines": {"one_cpu_tok_s": bare["one"], "two_cpus_tok_s": bare["two"],
                          "ratio": bare["two"] / bare["one"],
-                         "what": "LLMEngine alone, no Ray or HTTP, 32 sequences of 64+64 tokens, "
-                                 "one process pinned per CPU, run at once: what the cores scale to"},
+                         "what": "LLMEngine alone, no Ray or HTTP, 96 distinct 64-token prompts with 64 "
+                                 "tokens out each, 32 at a time, one process pinned per CPU, run at once: "
+                                 "what the cores scale to"},
         "requests_in_engines_mean": {
             "what": "requests the engines held (running + waiting, all replicas), sampled from /metrics "
                     "every 0.5 s during the throughput runs, of the 64 the client kept in flight; "
