@@ -458,7 +458,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", type=int, default=16)
     ap.add_argument("--per-family", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3, help="family sets per routing comparison")
+    ap.add_argument("--repeats", type=int, default=6, help="family sets per routing comparison")
     ap.add_argument("--direct-ingress", action="store_true",
                     help="Ray Serve's direct ingress (no proxy hop); default --out cluster_direct_ingress.json")
     ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
