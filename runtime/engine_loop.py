@@ -42,6 +42,14 @@ class EngineLoop:
 
     def run(self, recv: Recv, emit: Emit) -> None:
         try:
+            self._run(recv, emit)
+        finally:
+            # MLX's streams are per thread, and MLX leaves their cleanup to the thread
+            # that made them: left for interpreter exit, it aborts the process.
+            mx.clear_streams()
+
+    def _run(self, recv: Recv, emit: Emit) -> None:
+        try:
             if self.on_start is not None:
                 self.on_start()
             self.engine = engine = LLMEngine(self.config)
@@ -68,9 +76,6 @@ class EngineLoop:
             return
         finally:
             engine.close()   # the engine's worker thread goes with its loop
-            # MLX's streams are per thread, and MLX leaves their cleanup to the thread
-            # that made them: left for interpreter exit, it aborts the process.
-            mx.clear_streams()
         emit([("stopped",)])
 
     def _apply(self, cmd: tuple, events: list) -> None:
