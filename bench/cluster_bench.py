@@ -366,8 +366,8 @@ def measure_throughput(app, device: str | None) -> dict:
         with app(name, replicas, None, kv_blocks=256, pin_cpus=1, device=device) as u:
             run_workload(u, load[:32], 16, 16)
             tput[name] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:])
-            tput[name + "_ns"] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:],
-                                              stream=False)
+            tput[name + "_unstreamed"] = run_workload(u, load[32:], concurrency=64, max_tokens=lengths[32:],
+                                                      stream=False)
     return tput
 
 
@@ -387,7 +387,7 @@ def measure_routing(app, args) -> dict:
 
 
 def throughput_fields(bare: dict, t: dict) -> dict:
-    one, two, one_ns, two_ns = t["one"], t["two"], t["one_ns"], t["two_ns"]
+    one, two, one_ns, two_ns = t["one"], t["two"], t["one_unstreamed"], t["two_unstreamed"]
     return {
         "replicas_1_output_tok_s": one["output_tok_s"], "replicas_2_output_tok_s": two["output_tok_s"],
         "throughput_ratio_2_vs_1": two["output_tok_s"] / one["output_tok_s"],
@@ -493,7 +493,7 @@ def main(argv=None):
         if "throughput" in args.parts:
             t = measure_throughput(app, args.device)
             result.update(throughput_fields(bare, t))
-            details.update(one=t["one"], two=t["two"], one_unstreamed=t["one_ns"], two_unstreamed=t["two_ns"])
+            details.update(t)
         if "routing" in args.parts:
             r = measure_routing(app, args)
             result.update(routing_fields(r))

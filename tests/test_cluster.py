@@ -4,7 +4,6 @@ lost mid-run, and autoscaling."""
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -13,7 +12,7 @@ import yaml
 
 from bench.cluster_bench import ROUTER, deploy, families, run_workload, start_cluster, stop_cluster
 
-from .serving import engine_pids, replica_pids
+from .serving import ROOT, engine_pids, replica_pids
 
 MODEL = "default"
 
@@ -124,7 +123,7 @@ def test_shipped_cluster_config_deploys(cluster, monkeypatch):
     from deployments.app import build_app
 
     serve.delete("auto")
-    conf = yaml.safe_load((Path(__file__).parents[1] / "configs" / "cluster.yaml").read_text())
+    conf = yaml.safe_load((ROOT / "configs" / "cluster.yaml").read_text())
     ServeDeploySchema.model_validate(conf)
     args = dict(conf["applications"][0]["args"])
     args.pop("model")
