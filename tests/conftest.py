@@ -2,8 +2,12 @@
 
 import functools
 import os
+import resource
 
 import pytest
+
+# This process's file-descriptor limit before anything imports mlx-lm (which lowers it).
+FD_LIMIT_AT_START = resource.getrlimit(resource.RLIMIT_NOFILE)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -5,6 +5,7 @@ test_errors_and_async.py run on both kinds of loop."""
 
 import asyncio
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import pytest
 from runtime import AsyncEngine, EngineConfig, SamplingParams
 from runtime.errors import EngineDeadError, PromptTooLongError, RequestAbortedError
 
-from .serving import exited
+from .conftest import FD_LIMIT_AT_START
+from .serving import ROOT, exited
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +137,34 @@ def test_the_interpreter_exits_cleanly_after_an_engine(default_model, process, s
     for _ in range(3):
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and out.stdout.split() == ["4"], out.stderr[-2000:]
+
+
+FD_LIMITS = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+before = resource.getrlimit(resource.RLIMIT_NOFILE)
+__import__(sys.argv[1])
+print(*before, *resource.getrlimit(resource.RLIMIT_NOFILE))
+"""
+
+
+@pytest.mark.skipif(FD_LIMIT_AT_START[1] <= 4096, reason="needs a hard file-descriptor limit above mlx-lm's 4096")
+def test_importing_the_runtime_never_lowers_the_fd_limit():
+    """mlx-lm's import sets RLIMIT_NOFILE to (2048, 4096), lowering a higher limit for
+    the process and all it starts (a replica's connections, HAProxy under Serve). Our
+    runtime imports it raise-only: this test process (which imported it) kept its
+    limit, a higher limit stays, a lower soft one still rises to 2048. The bare mlx-lm
+    import shows the test can tell."""
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == FD_LIMIT_AT_START
+
+    def limits(module: str, soft: int) -> list[int]:
+        out = subprocess.run([sys.executable, "-c", FD_LIMITS, module, str(soft)], capture_output=True,
+                             text=True, check=True, cwd=ROOT).stdout
+        return [int(x) for x in out.split()[-4:]]
+
+    soft0, hard0, soft1, hard1 = limits("mlx_lm", 3000)
+    assert (soft1, hard1) == (2048, 4096) and hard0 > 4096
+    soft0, hard0, soft1, hard1 = limits("runtime", 3000)
+    assert (soft1, hard1) == (soft0, hard0) == (3000, hard0)
+    _, hard0, soft1, hard1 = limits("runtime", 256)
+    assert (soft1, hard1) == (2048, hard0)
