@@ -4,7 +4,9 @@ prefix cache off, with its engine loop on a thread of the replica instead of its
 process, and (on CUDA) with gather instead of kernel attention. Opt-in
 `ours-direct-ingress`: the app under Ray Serve's direct ingress, where the ingress
 replica serves HTTP itself and no proxy relays requests and stream chunks; opt-in
-`ours-2-ingress`: the app with two ingress replicas behind the proxy; opt-in
+`ours-haproxy`: the app under Ray Serve's HAProxy mode, where HAProxy takes the HTTP
+port in front of the ingress replicas' own ports, in place of Serve's Python proxy;
+opt-in `ours-2-ingress`: the app with two ingress replicas behind the proxy; opt-in
 `ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap).
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
@@ -88,10 +90,10 @@ def _metrics_sampler(base: str):
 
 
 @contextmanager
-def ours(model: str, engine: dict, name: str, extra: dict, direct_ingress: bool = False, **app_args):
+def ours(model: str, engine: dict, name: str, extra: dict, front: str = "proxy", **app_args):
     from tests.serving import ServeRun
 
-    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, direct_ingress=direct_ingress)
+    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, front=front)
     try:
         yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
                      f"serve run, start-up {run.startup_s:.0f} s")
@@ -574,8 +576,11 @@ def main(argv=None):
             with ours(model, {**engine, "attention_backend": "gather"}, "ours", extra) as t:
                 rows += variant_sweep(t, wl, args, "attention=gather", attention_backend="gather")
         elif name == "ours-direct-ingress":
-            with ours(model, engine, "ours", extra, direct_ingress=True) as t:
+            with ours(model, engine, "ours", extra, front="direct") as t:
                 rows += variant_sweep(t, wl, args, "direct ingress", direct_ingress=True)
+        elif name == "ours-haproxy":
+            with ours(model, engine, "ours", extra, front="haproxy") as t:
+                rows += variant_sweep(t, wl, args, "HAProxy", front="haproxy")
         elif name == "ours-2-ingress":
             ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
             with ours(model, engine, "ours", extra, ingress=ingress) as t:

@@ -28,6 +28,21 @@ def direct_ingress_env(low: int, high: int) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(high)}
 
 
+def haproxy_env(state_dir: str) -> dict[str, str]:
+    """Ray Serve's HAProxy mode (an HAProxy process takes the HTTP port and balances over
+    the ingress replicas' direct-ingress ports, in place of Serve's Python proxy), with
+    its files in `state_dir` and its side ports free ones, so runs do not collide."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(Path(state_dir) / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(Path(state_dir) / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(Path(state_dir) / "server-state"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
+
+
 def serve_env() -> dict:
     env = dict(os.environ)
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
@@ -45,25 +60,35 @@ class ServeRun:
 
     ATTEMPTS = 3
 
-    def __init__(self, applications: list[dict], timeout: float = 180.0, direct_ingress: bool = False):
-        """`direct_ingress`: Ray Serve's direct ingress (the one ingress replica serves HTTP
-        itself, on the port picked here, so requests bypass the proxy Serve still starts)."""
+    def __init__(self, applications: list[dict], timeout: float = 180.0, front: str = "proxy"):
+        """`front`: what answers HTTP. "proxy": Serve's proxy, as shipped. "direct": Ray
+        Serve's direct ingress (the one ingress replica serves HTTP itself, on the port
+        picked here, so requests bypass the proxy Serve still starts). "haproxy": Serve's
+        HAProxy mode (HAProxy on the HTTP port, in front of the ingress replicas' own
+        ports; no Python proxy on the request path)."""
+        if front not in ("proxy", "direct", "haproxy"):
+            raise ValueError(f"front: {front!r}")
         for attempt in range(self.ATTEMPTS):
             try:
-                self._start(applications, timeout, direct_ingress)
+                self._start(applications, timeout, front)
                 return
             except RuntimeError as e:
                 if "Failed to bind to address" not in str(e) or attempt == self.ATTEMPTS - 1:
                     raise
 
-    def _start(self, applications: list[dict], timeout: float, direct_ingress: bool) -> None:
+    def _start(self, applications: list[dict], timeout: float, front: str) -> None:
         self.port = proxy_port = free_port()
         env = serve_env()
-        if direct_ingress:   # Serve still starts its proxy: it keeps a port of its own
-            while self.port == proxy_port:
-                self.port = free_port()
-            env.update(direct_ingress_env(self.port, self.port + 1))
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
+        if front != "proxy":   # the ingress replica's own port; Serve's proxy keeps its own
+            ingress_port = free_port()
+            while ingress_port == proxy_port:
+                ingress_port = free_port()
+            env.update(direct_ingress_env(ingress_port, ingress_port + 1))
+            if front == "direct":
+                self.port = ingress_port
+            else:
+                env.update(haproxy_env(self.dir))
         cfg = {"proxy_location": "HeadOnly",
                "http_options": {"host": "127.0.0.1", "port": proxy_port},
                "applications": applications}
@@ -106,8 +131,40 @@ class ServeRun:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._end_session()
         if not self.log.closed:
             self.log.close()
+
+    def _end_session(self, timeout: float = 30.0) -> None:
+        """Stop what is left of `serve run`'s session. Ray's workers run in process groups
+        of their own inside it and end when their raylet does, but a process one of them
+        started can outlive them: HAProxy, in HAProxy mode, restarted on a config reload
+        while Serve shut down."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = live_pids("-s", str(self.proc.pid))
+            if not pids:
+                return
+            sig = signal.SIGTERM if time.monotonic() < deadline - timeout / 2 else signal.SIGKILL
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of serve run's session outlived it: {pids}")
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+
+
+def live_pids(*pgrep_args: str) -> list[int]:
+    """`pgrep`'s matches that are still running: a zombie has ended, though an orphan's
+    may wait to be reaped by an init that does not reap."""
+    pids = subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()
+    if not pids:
+        return []
+    ps = subprocess.run(["ps", "-o", "pid=,stat=", "-p", ",".join(pids)], capture_output=True, text=True).stdout
+    return [int(pid) for pid, stat in (line.split()[:2] for line in ps.splitlines() if line.strip())
+            if not stat.startswith("Z") and int(pid) != os.getpid()]
 
 
 def metric(text: str, name: str) -> float | None:

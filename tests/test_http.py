@@ -10,7 +10,7 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app, metric
+from .serving import ServeRun, app, live_pids, metric
 
 KEY = "sk-test-tenant-a"
 MODEL = "default"
@@ -279,18 +279,27 @@ def test_shipped_config_serves_the_default_model():
         srv.stop()
 
 
-def test_shipped_config_under_direct_ingress():
-    """configs/config.yaml under Ray Serve's direct ingress (README: "Many streams on one
-    host"): the ingress replica answers HTTP on its own port, with no proxy between,
-    and the OpenAI surface is the same: streamed tokens equal the unstreamed answer, and
-    a bad request is a 400 with an OpenAI error body."""
+def _live_haproxy(state_dir: str) -> list[int]:
+    return live_pids("-f", f"haproxy.*{state_dir}")
+
+
+@pytest.mark.parametrize("front", ["direct", "haproxy"])
+def test_shipped_config_under_another_front(front):
+    """configs/config.yaml under Ray Serve's direct ingress (the ingress replica answers
+    HTTP on its own port) and under its HAProxy mode (HAProxy on the HTTP port in front
+    of the ingress replica's port; README: "Many streams on one host"): no Python proxy
+    on the request path, and the OpenAI surface is the same: streamed tokens equal the
+    unstreamed answer, and a bad request is a 400 with an OpenAI error body. HAProxy
+    is Serve's to start and to stop: running while served, gone after `serve run`."""
     import yaml
 
     from .serving import ROOT
 
     cfg = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
-    srv = ServeRun(cfg["applications"], direct_ingress=True)
+    srv = ServeRun(cfg["applications"], front=front)
     try:
+        if front == "haproxy":
+            assert _live_haproxy(srv.dir), srv.tail()
         c = openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0)
         msgs = [{"role": "user", "content": "Name three rivers."}]
         whole = c.chat.completions.create(model="default", messages=msgs, max_tokens=12, temperature=0)
@@ -303,6 +312,10 @@ def test_shipped_config_under_direct_ingress():
         assert e.value.body["type"] == "invalid_request_error"
     finally:
         srv.stop()
+    deadline = time.monotonic() + 30
+    while _live_haproxy(srv.dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _live_haproxy(srv.dir)
 
 
 def test_serve_bench_measures_the_real_server(server):
