@@ -8,11 +8,13 @@ the served runs, bare engines pinned one per CPU show what the cores themselves 
 Writes `bench/results/cluster.json` and `cluster.png` (`--replot` redraws the PNG
 from the JSON). `--direct-ingress` runs the same under Ray Serve's direct ingress (each
 app's ingress replica answers HTTP on a port of its own, no proxy between) and writes
-`cluster_direct_ingress.json` / `.png`. `--parts throughput` or `--parts routing` runs
+`cluster_direct_ingress.json` / `.png`; `--haproxy` under its HAProxy mode (HAProxy on
+the head node's HTTP port, in front of the ingress replicas' own ports) and writes
+`cluster_haproxy.json` / `.png`. `--parts throughput` or `--parts routing` runs
 one half alone; `--device cpu` puts every engine on MLX's CPU backend, to measure
 replicas on the cores of a GPU host.
 
-    python bench/cluster_bench.py [--direct-ingress] [--parts throughput routing] [--device cpu]
+    python bench/cluster_bench.py [--direct-ingress | --haproxy] [--parts throughput routing] [--device cpu]
 """
 
 import argparse
@@ -21,8 +23,10 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,21 +51,23 @@ ROUTER = {"request_router_class": "deployments.router:PrefixAwareRouter",
 DIRECT_INGRESS_PORTS = 64   # ports in the range the apps' ingress replicas bind in
 
 
-def start_cluster(num_macs: int, direct_ingress: bool = False):
+def start_cluster(num_macs: int, direct_ingress: bool = False, haproxy: bool = False):
     """A head node plus `num_macs` nodes with a `mac` resource; Serve on 127.0.0.1 with
     one HTTP proxy, on the head node, as `configs/cluster.yaml` runs it (a proxy on every
     node would put four on this host's cores, three of them idle). `direct_ingress`
     turns on Ray Serve's direct ingress for the cluster's processes (`app_url` finds
-    each app's port)."""
+    each app's port); `haproxy` its HAProxy mode (HAProxy on the proxy's port)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from tests.serving import direct_ingress_env, free_port
+    from tests.serving import direct_ingress_env, free_port, haproxy_env
 
-    if direct_ingress:   # set before the nodes start, which read it
+    if direct_ingress or haproxy:   # set before the nodes start, which read it
         base = free_port()
         os.environ.update(direct_ingress_env(base, base + DIRECT_INGRESS_PORTS))
+    if haproxy:
+        os.environ.update(haproxy_env(tempfile.mkdtemp(prefix="mps-haproxy-")))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(num_macs):
         cluster.add_node(num_cpus=2, resources={"mac": 2})
@@ -75,9 +81,15 @@ def stop_cluster(cluster) -> None:
     import ray
     from ray import serve
 
+    from tests.serving import live_pids
+
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
+    state = os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
+    if state:   # an HAProxy that Serve restarted while shutting down can outlive it
+        for pid in live_pids("-f", f"haproxy.*{state}"):
+            os.kill(pid, signal.SIGTERM)
 
 
 def deploy(name: str, route: str, replicas: int, router: dict | None, kv_blocks: int = 48,
@@ -102,7 +114,7 @@ def app_url(url: str, route: str, timeout: float = 60.0) -> str:
     """Where an app deployed at `route` answers: through the proxy at `url`, or under
     direct ingress on its ingress replica's own port (the first in the range whose
     `route` answers /health; deploy one app at a time there)."""
-    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1" or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         return url + route
     low = int(os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
     deadline = time.monotonic() + timeout
@@ -212,7 +224,7 @@ def engines_load(url: str):
 # Who uses the host's CPUs, by command line: the engines, Serve's actors by role, Ray's
 # own daemons and workers, and this process (the client). First match wins.
 CPU_KINDS = (("engines", ("runtime.engine_process",)), ("replica fronts", (":LLMServer",)),
-             ("ingress", (":OpenAIIngress",)), ("proxy", ("ProxyActor",)),
+             ("ingress", (":OpenAIIngress",)), ("proxy", ("ProxyActor", "bin/haproxy")),
              ("controller", ("ServeController",)), ("ray daemons", ("ray/", "ray::")))
 
 
@@ -344,7 +356,7 @@ def plot(result: dict, path: Path) -> Path:
         ax[3].set_ylabel("CPUs busy (mean)")
         ax[3].set_title("where the CPUs go (throughput runs)")
         ax[3].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    how = ", direct ingress" if result.get("direct_ingress") else ""
+    how = ", HAProxy" if result.get("haproxy") else ", direct ingress" if result.get("direct_ingress") else ""
     fig.suptitle(f"simulated Mac cluster on one {result.get('num_cpus', '?')}-CPU host{how} (bench/cluster_bench.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -461,6 +473,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=6, help="family sets per routing comparison")
     ap.add_argument("--direct-ingress", action="store_true",
                     help="Ray Serve's direct ingress (no proxy hop); default --out cluster_direct_ingress.json")
+    ap.add_argument("--haproxy", action="store_true",
+                    help="Ray Serve's HAProxy mode (HAProxy in place of Serve's proxy); default --out "
+                         "cluster_haproxy.json")
     ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
                     help="MLX device of every engine (default: MLX's); `cpu` on a GPU host measures "
                          "replicas on its cores")
@@ -469,13 +484,16 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="default: bench/results/cluster.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     args = ap.parse_args(argv)
-    args.out = args.out or str(RESULTS / ("cluster_direct_ingress.json" if args.direct_ingress else "cluster.json"))
+    if args.direct_ingress and args.haproxy:
+        ap.error("--direct-ingress or --haproxy, not both")
+    front = "haproxy" if args.haproxy else "direct_ingress" if args.direct_ingress else ""
+    args.out = args.out or str(RESULTS / (f"cluster_{front}.json" if front else "cluster.json"))
     if args.replot:
         print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
         return
     if "throughput" in args.parts:
         bare = {"one": bare_engines([0], args.device), "two": bare_engines([0, 1], args.device)}
-    cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress)
+    cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress, haproxy=args.haproxy)
 
     @contextmanager
     def app(name: str, *deploy_args, **deploy_kwargs):
@@ -510,6 +528,7 @@ def main(argv=None):
                  "5-block prefixes, 44 KV blocks per replica"),
         "num_cpus": os.cpu_count(),
         "direct_ingress": args.direct_ingress,
+        "haproxy": args.haproxy,
         "device": args.device or "default",
         "parts": args.parts,
     })
