@@ -51,22 +51,23 @@ ROUTER = {"request_router_class": "deployments.router:PrefixAwareRouter",
 DIRECT_INGRESS_PORTS = 64   # ports in the range the apps' ingress replicas bind in
 
 
-def start_cluster(num_macs: int, direct_ingress: bool = False, haproxy: bool = False):
+def start_cluster(num_macs: int, front: str = "proxy"):
     """A head node plus `num_macs` nodes with a `mac` resource; Serve on 127.0.0.1 with
     one HTTP proxy, on the head node, as `configs/cluster.yaml` runs it (a proxy on every
-    node would put four on this host's cores, three of them idle). `direct_ingress`
-    turns on Ray Serve's direct ingress for the cluster's processes (`app_url` finds
-    each app's port); `haproxy` its HAProxy mode (HAProxy on the proxy's port)."""
+    node would put four on this host's cores, three of them idle). `front`, as in
+    `tests.serving.ServeRun`: "direct" turns on Ray Serve's direct ingress for the
+    cluster's processes (`app_url` finds each app's port), "haproxy" its HAProxy mode
+    (HAProxy on the proxy's port)."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from tests.serving import direct_ingress_env, free_port, haproxy_env
 
-    if direct_ingress or haproxy:   # set before the nodes start, which read it
+    if front != "proxy":   # set before the nodes start, which read it
         base = free_port()
         os.environ.update(direct_ingress_env(base, base + DIRECT_INGRESS_PORTS))
-    if haproxy:
+    if front == "haproxy":
         os.environ.update(haproxy_env(tempfile.mkdtemp(prefix="mps-haproxy-")))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     for _ in range(num_macs):
@@ -486,14 +487,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.direct_ingress and args.haproxy:
         ap.error("--direct-ingress or --haproxy, not both")
-    front = "haproxy" if args.haproxy else "direct_ingress" if args.direct_ingress else ""
-    args.out = args.out or str(RESULTS / (f"cluster_{front}.json" if front else "cluster.json"))
+    front = "haproxy" if args.haproxy else "direct" if args.direct_ingress else "proxy"
+    args.out = args.out or str(RESULTS / {"proxy": "cluster.json", "direct": "cluster_direct_ingress.json",
+                                          "haproxy": "cluster_haproxy.json"}[front])
     if args.replot:
-        print("wrote", plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")))
+        saved = json.loads(Path(args.out).read_text())
+        if len(saved.get("parts", ["throughput", "routing"])) < 2:
+            ap.error(f"{args.out} holds only {saved['parts']}: the PNG needs both parts")
+        print("wrote", plot(saved, Path(args.out).with_suffix(".png")))
         return
     if "throughput" in args.parts:
         bare = {"one": bare_engines([0], args.device), "two": bare_engines([0, 1], args.device)}
-    cluster, url = start_cluster(num_macs=3, direct_ingress=args.direct_ingress, haproxy=args.haproxy)
+    cluster, url = start_cluster(num_macs=3, front=front)
 
     @contextmanager
     def app(name: str, *deploy_args, **deploy_kwargs):

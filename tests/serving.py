@@ -140,14 +140,12 @@ class ServeRun:
         of their own inside it and end when their raylet does, but a process one of them
         started can outlive them: HAProxy, in HAProxy mode, restarted on a config reload
         while Serve shut down."""
-        deadline = time.monotonic() + timeout
-        while True:
-            pids = live_pids("-s", str(self.proc.pid))
-            if not pids:
-                return
-            sig = signal.SIGTERM if time.monotonic() < deadline - timeout / 2 else signal.SIGKILL
-            if time.monotonic() > deadline:
+        t0 = time.monotonic()
+        while pids := live_pids("-s", str(self.proc.pid)):
+            waited = time.monotonic() - t0
+            if waited > timeout:
                 raise RuntimeError(f"processes of serve run's session outlived it: {pids}")
+            sig = signal.SIGTERM if waited < timeout / 2 else signal.SIGKILL
             for pid in pids:
                 try:
                     os.kill(pid, sig)
