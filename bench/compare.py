@@ -6,7 +6,8 @@ process, and (on CUDA) with gather instead of kernel attention. Opt-in
 replica serves HTTP itself and no proxy relays requests and stream chunks; opt-in
 `ours-haproxy`: the app under Ray Serve's HAProxy mode, where HAProxy takes the HTTP
 port in front of the ingress replicas' own ports, in place of Serve's Python proxy;
-opt-in `ours-2-ingress`: the app with two ingress replicas behind the proxy; opt-in
+opt-in `ours-2-ingress`: the app with two ingress replicas behind the proxy, and
+`ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
 `ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap).
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
@@ -581,10 +582,12 @@ def main(argv=None):
         elif name == "ours-haproxy":
             with ours(model, engine, "ours", extra, front="haproxy") as t:
                 rows += variant_sweep(t, wl, args, "HAProxy", front="haproxy")
-        elif name == "ours-2-ingress":
+        elif name in ("ours-2-ingress", "ours-haproxy-2-ingress"):
+            front = "haproxy" if name.startswith("ours-haproxy") else "proxy"
             ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
-            with ours(model, engine, "ours", extra, ingress=ingress) as t:
-                rows += variant_sweep(t, wl, args, "2 ingress replicas", ingress_replicas=2)
+            with ours(model, engine, "ours", extra, front=front, ingress=ingress) as t:
+                label = "HAProxy, 2 ingress replicas" if front == "haproxy" else "2 ingress replicas"
+                rows += variant_sweep(t, wl, args, label, front=front, ingress_replicas=2)
         elif name.startswith("ours-chunks-"):
             cap = float(name.removeprefix("ours-chunks-"))
             with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:

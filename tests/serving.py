@@ -1,6 +1,7 @@
 """Start and stop a real `serve run` for tests, on 127.0.0.1 and a free port."""
 
 import os
+import random
 import re
 import signal
 import socket
@@ -19,6 +20,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_range(n: int, low: int = 20000, high: int = 29000) -> int:
+    """The first of `n` consecutive ports that are free on 127.0.0.1 now."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(low, high - n)
+        socks = []
+        try:
+            for p in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return start
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high})")
 
 
 def direct_ingress_env(low: int, high: int) -> dict[str, str]:
@@ -59,6 +80,7 @@ class ServeRun:
     on a new port."""
 
     ATTEMPTS = 3
+    INGRESS_PORTS = 4   # under HAProxy, room for this many ingress replicas
 
     def __init__(self, applications: list[dict], timeout: float = 180.0, front: str = "proxy"):
         """`front`: what answers HTTP. "proxy": Serve's proxy, as shipped. "direct": Ray
@@ -80,11 +102,12 @@ class ServeRun:
         self.port = proxy_port = free_port()
         env = serve_env()
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
-        if front != "proxy":   # the ingress replica's own port; Serve's proxy keeps its own
-            ingress_port = free_port()
-            while ingress_port == proxy_port:
-                ingress_port = free_port()
-            env.update(direct_ingress_env(ingress_port, ingress_port + 1))
+        if front != "proxy":   # the ingress replicas' own ports; Serve's proxy keeps its own
+            n = 1 if front == "direct" else self.INGRESS_PORTS
+            ingress_port = free_port_range(n)
+            while ingress_port <= proxy_port < ingress_port + n:
+                ingress_port = free_port_range(n)
+            env.update(direct_ingress_env(ingress_port, ingress_port + n))
             if front == "direct":
                 self.port = ingress_port
             else:

@@ -283,19 +283,36 @@ def _live_haproxy(state_dir: str) -> list[int]:
     return live_pids("-f", f"haproxy.*{state_dir}")
 
 
+def _haproxy_sessions(state_dir: str) -> dict[str, int]:
+    """Sessions HAProxy has sent to each Serve ingress replica, from its admin socket."""
+    import socket
+    from pathlib import Path
+
+    sock_path = next(Path(state_dir).glob("**/admin.sock"))
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(sock_path))
+        sock.sendall(b"show stat\n")
+        data = b"".join(iter(lambda: sock.recv(65536), b""))
+    rows = [line.split(",") for line in data.decode().splitlines() if not line.startswith("#")]
+    return {r[1]: int(r[7]) for r in rows if len(r) > 7 and r[1].startswith("SERVE_REPLICA")}
+
+
 @pytest.mark.parametrize("front", ["direct", "haproxy"])
 def test_shipped_config_under_another_front(front):
     """configs/config.yaml under Ray Serve's direct ingress (the ingress replica answers
     HTTP on its own port) and under its HAProxy mode (HAProxy on the HTTP port in front
     of the ingress replica's port; README: "Many streams on one host"): no Python proxy
     on the request path, and the OpenAI surface is the same: streamed tokens equal the
-    unstreamed answer, and a bad request is a 400 with an OpenAI error body. HAProxy
+    unstreamed answer, and a bad request is a 400 with an OpenAI error body. Under
+    HAProxy the ingress runs two replicas, and HAProxy sends requests to both. HAProxy
     is Serve's to start and to stop: running while served, gone after `serve run`."""
     import yaml
 
     from .serving import ROOT
 
     cfg = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    if front == "haproxy":
+        cfg["applications"][0]["args"]["ingress"]["num_replicas"] = 2
     srv = ServeRun(cfg["applications"], front=front)
     try:
         if front == "haproxy":
@@ -310,6 +327,11 @@ def test_shipped_config_under_another_front(front):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="default", messages=msgs, max_tokens=-1)
         assert e.value.body["type"] == "invalid_request_error"
+        if front == "haproxy":
+            for i in range(4):
+                c.completions.create(model="default", prompt=f"Count to {i}.", max_tokens=2)
+            sessions = _haproxy_sessions(srv.dir)
+            assert len(sessions) == 2 and min(sessions.values()) >= 1, sessions
     finally:
         srv.stop()
     assert not _live_haproxy(srv.dir)
