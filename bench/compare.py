@@ -6,9 +6,12 @@ process, and (on CUDA) with gather instead of kernel attention. Opt-in
 replica serves HTTP itself and no proxy relays requests and stream chunks; opt-in
 `ours-haproxy`: the app under Ray Serve's HAProxy mode, where HAProxy takes the HTTP
 port in front of the ingress replicas' own ports, in place of Serve's Python proxy;
-opt-in `ours-2-ingress`: the app with two ingress replicas behind the proxy, and
-`ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
-`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap).
+opt-in `ours-2-ingress`: the split app (below) with two ingress replicas behind the
+proxy, and `ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
+`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in
+`ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
+through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shipped
+`configs/config.yaml` colocates front and engine in one replica.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -78,7 +81,7 @@ def our_app_config(model: str, engine: dict, **app_args) -> dict:
     args = dict(app["args"])
     args.update(model=model, served_model_name="default", engine={**args.get("engine", {}), **engine},
                 **app_args)
-    return {**app, "args": args}
+    return {**app, "args": {k: v for k, v in args.items() if v is not None}}   # None: drop the key
 
 
 def _metrics_sampler(base: str):
@@ -585,9 +588,12 @@ def main(argv=None):
         elif name in ("ours-2-ingress", "ours-haproxy-2-ingress"):
             front = "haproxy" if name.startswith("ours-haproxy") else "proxy"
             ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
-            with ours(model, engine, "ours", extra, front=front, ingress=ingress) as t:
+            with ours(model, engine, "ours", extra, front=front, colocate=False, ingress=ingress) as t:
                 label = "HAProxy, 2 ingress replicas" if front == "haproxy" else "2 ingress replicas"
                 rows += variant_sweep(t, wl, args, label, front=front, ingress_replicas=2)
+        elif name == "ours-split":
+            with ours(model, engine, "ours", extra, colocate=False) as t:
+                rows += variant_sweep(t, wl, args, "ingress and LLMServer apart", colocate=False)
         elif name.startswith("ours-chunks-"):
             cap = float(name.removeprefix("ours-chunks-"))
             with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:

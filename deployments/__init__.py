@@ -1,2 +1,3 @@
 """Ray Serve and OpenAI HTTP glue over `runtime`: `LLMServer` replicas behind an
-`OpenAIIngress`, built by `deployments.app:build_app`."""
+`OpenAIIngress`, or both in one `ColocatedServer` replica, built by
+`deployments.app:build_app`."""

@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 
 from runtime import EngineConfig
 from runtime.models import default_model_path
 
+from .colocated import ColocatedServer
 from .ingress import OpenAIIngress
 from .llm_server import LLMServer
 
@@ -64,6 +65,11 @@ class AppArgs(BaseModel):
                                   "streams / cap, since per-chunk Ray messages otherwise slow the "
                                   "engine; 0 for no cap")
 
+    colocate: bool = Field(
+        False, description="one deployment whose replicas each answer HTTP and hold an engine "
+                           "(`llm_server` options apply to it; `ingress` must be left unset): "
+                           "no Ray hop between front and engine per request or stream chunk; "
+                           "no prefix-aware routing")
     engine_process: bool = Field(
         True, description="run each LLMServer's engine loop in a process of its own, so Ray's "
                           "per-message work in the replica and the engine's host work of a step "
@@ -84,9 +90,20 @@ class AppArgs(BaseModel):
         EngineConfig(**v)   # range checks
         return v
 
+    @model_validator(mode="after")
+    def _colocated(self):
+        if self.colocate and "ingress" in self.model_fields_set:
+            raise ValueError("with colocate: true there is no ingress deployment; set its "
+                             "options under llm_server")
+        if self.colocate and self.llm_server.request_router_config:
+            raise ValueError("prefix-aware routing (request_router_config) needs the ingress "
+                             "and LLMServer apart: drop it or colocate")
+        return self
+
 
 LLM_SERVER_MAX_ONGOING = 256   # the engine queues what it cannot run yet, by priority
 INGRESS_MAX_ONGOING = 1024
+OVERLOAD_MARGIN = 64           # colocated: requests past the limit that reach the replica
 
 
 def _options(d: DeploymentArgs, max_ongoing: int) -> dict:
@@ -115,7 +132,22 @@ def build_app(args: AppArgs) -> serve.Application:
         "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
         "created": int(time.time()),
     }
+    server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,
+                   "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,
+                   "engine_process": args.engine_process}
+    if args.colocate:
+        opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING), None
+        if opts["max_queued_requests"] >= 0:
+            # The engine holds what the two deployments would hold together (ongoing in
+            # the replica plus queued before it) and refuses more with an OpenAI error
+            # body. Serve passes a margin beyond that through, to be refused so, and
+            # gets room to queue a burst while it assigns it (its own refusal is plain
+            # text: Serve counts requests still being assigned as queued).
+            max_requests = opts["max_ongoing_requests"] + opts["max_queued_requests"]
+            opts["max_ongoing_requests"] = max_requests + OVERLOAD_MARGIN
+            opts["max_queued_requests"] = max(max_requests, OVERLOAD_MARGIN)
+        colocated = serve.deployment(ColocatedServer, name="OpenAIServer", **opts)
+        return colocated.bind(server_args, settings, max_requests)
     server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server, LLM_SERVER_MAX_ONGOING))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress, INGRESS_MAX_ONGOING))
-    return ingress.bind(server.bind(engine, args.stream_interval_ms / 1e3, args.pin_cpus,
-                                   args.max_stream_chunks_per_s, args.engine_process), settings)
+    return ingress.bind(server.bind(**server_args), settings)

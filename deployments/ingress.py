@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.models.loader import load_tokenizer
 
+from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest, chat_prompt_ids, error_body
 
@@ -59,7 +60,8 @@ def tenant_salt(api_key: str) -> str:
 
 class OpenAIIngress:
     def __init__(self, llm_server, settings: dict):
-        self.llm = llm_server
+        """`llm_server`: a handle to the `LLMServer` deployment, or a `LocalLLM`."""
+        self.llm = llm_server if isinstance(llm_server, LocalLLM) else RemoteLLM(llm_server)
         self.s = settings
         self.model_name = settings["served_model_name"]
         self.api_keys = [k.encode() for k in settings.get("api_keys") or []]
@@ -70,7 +72,7 @@ class OpenAIIngress:
     # -- plumbing -----------------------------------------------------------------------
     async def info(self) -> dict:
         if self._info is None:
-            self._info = await self.llm.model_info.remote()
+            self._info = await self.llm.model_info()
         return self._info
 
     def _check_auth(self, request: Request) -> str | None:
@@ -145,11 +147,10 @@ class OpenAIIngress:
         backpressure, surface here, before any byte is sent."""
         from ray.serve.exceptions import BackPressureError
 
-        gen = self.llm.options(stream=True).generate.remote(ids, params, body.priority, salt,
-                                                            not body.stream)
         try:
+            gen = self.llm.generate(ids, params, body.priority, salt, not body.stream)
             first = await gen.__anext__()
-        except BackPressureError:
+        except (BackPressureError, Overloaded):
             raise HTTPError(503, "the server is overloaded; retry shortly", type_="server_error",
                             code="overloaded", headers={"Retry-After": str(self.s["retry_after_s"])})
         if isinstance(first, dict) and "error" in first:
@@ -204,7 +205,7 @@ class OpenAIIngress:
 
     async def health(self) -> Response:
         try:
-            stats = await asyncio.wait_for(self.llm.stats.remote(), self.s["health_timeout_s"])
+            stats = await asyncio.wait_for(self.llm.stats(), self.s["health_timeout_s"])
         except Exception:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         self.metrics.replicas.update(stats)
@@ -212,7 +213,7 @@ class OpenAIIngress:
 
     async def metrics_endpoint(self) -> Response:
         try:
-            self.metrics.replicas.update(await asyncio.wait_for(self.llm.stats.remote(), 5.0))
+            self.metrics.replicas.update(await asyncio.wait_for(self.llm.stats(), 5.0))
         except Exception:
             pass  # serve what we have
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

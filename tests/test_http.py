@@ -18,25 +18,41 @@ MODEL = "default"
 
 @pytest.fixture(scope="module")
 def server():
+    """Each app twice: as two deployments (ingress and LLMServer) and colocated."""
     small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
-    srv = ServeRun([
-        app("main", "/", served_model_name=MODEL, engine=small,
-            llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5},
-                        "max_ongoing_requests": 64},
-            ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
-            max_request_body_bytes=64 << 10, stream_interval_ms=0),
-        app("secure", "/secure", served_model_name=MODEL, engine=small, api_keys=[KEY, "sk-other"],
-            llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5},
-                        "max_ongoing_requests": 1, "max_queued_requests": 1},
-            ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}),
-    ])
+    ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
+    apps = []
+    for prefix, colocate in (("", False), ("colo-", True)):
+        split = {} if colocate else {"ingress": ingress}
+        apps += [
+            app(f"{prefix}main", f"/{prefix}main", served_model_name=MODEL, engine=small, colocate=colocate,
+                llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25},
+                            "max_ongoing_requests": 64},
+                max_request_body_bytes=64 << 10, stream_interval_ms=0, **split),
+            app(f"{prefix}secure", f"/{prefix}secure", served_model_name=MODEL, engine=small,
+                api_keys=[KEY, "sk-other"], colocate=colocate,
+                llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25},
+                            "max_ongoing_requests": 1, "max_queued_requests": 1}, **split),
+        ]
+    srv = ServeRun(apps)
     yield srv
     srv.stop()
 
 
+@pytest.fixture(scope="module", params=["main", "colo-main"])
+def front(request):
+    """The app a test talks to: ingress and LLMServer apart, or colocated."""
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["secure", "colo-secure"])
+def secure(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.urls["main"] + "/v1", api_key="unused", max_retries=0)
+def client(server, front):
+    return openai.OpenAI(base_url=server.urls[front] + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +162,7 @@ def test_seed_reproducible(client):
     assert a == b and a != c
 
 
-def _post(server, path, body, app="main", headers=None):
+def _post(server, path, app, body, headers=None):
     return httpx.post(server.urls[app] + path, json=body, headers=headers, timeout=60)
 
 
@@ -158,44 +174,43 @@ def _assert_error(r, status):
     return err
 
 
-def test_error_classes(server):
+def test_error_classes(server, front):
     base = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
-    r = httpx.post(server.urls["main"] + "/v1/completions", content=b"{not json",
+    r = httpx.post(server.urls[front] + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     _assert_error(r, 400)
-    assert _assert_error(_post(server, "/v1/completions", {**base, "temperature": "hot"}), 400)["param"] == "temperature"
-    _assert_error(_post(server, "/v1/completions", {**base, "max_tokens": -3}), 400)
-    _assert_error(_post(server, "/v1/completions", {**base, "bogus": 1}), 400)
-    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+    assert _assert_error(_post(server, "/v1/completions", front, {**base, "temperature": "hot"}), 400)["param"] == "temperature"
+    _assert_error(_post(server, "/v1/completions", front, {**base, "max_tokens": -3}), 400)
+    _assert_error(_post(server, "/v1/completions", front, {**base, "bogus": 1}), 400)
+    _assert_error(_post(server, "/v1/chat/completions", front, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                          "response_format": {"type": "json_object"}}), 400)
-    err = _assert_error(_post(server, "/v1/completions", {**base, "model": "gpt-9"}), 404)
+    err = _assert_error(_post(server, "/v1/completions", front, {**base, "model": "gpt-9"}), 404)
     assert err["code"] == "model_not_found"
-    err = _assert_error(_post(server, "/v1/completions", {**base, "prompt": "word " * 5000}), 400)
+    err = _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "word " * 5000}), 400)
     assert err["code"] == "context_length_exceeded" and re.search(r"\d+", err["message"])
-    _assert_error(_post(server, "/v1/completions", {**base, "prompt": "x" * (70 << 10)}), 413)
-    _assert_error(httpx.get(server.urls["main"] + "/v1/nothing"), 404)
+    _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "x" * (70 << 10)}), 413)
+    _assert_error(httpx.get(server.urls[front] + "/v1/nothing"), 404)
 
 
-def test_context_overflow_names_limit_and_numbers(server):
-    err = _assert_error(_post(server, "/v1/completions",
+def test_context_overflow_names_limit_and_numbers(server, front):
+    err = _assert_error(_post(server, "/v1/completions", front,
                               {"model": MODEL, "prompt": [5] * 4000, "max_tokens": 500}), 400)
     assert "4096" in err["message"] and "4000" in err["message"] and "500" in err["message"]
 
 
-def test_api_keys(server):
+def test_api_keys(server, secure):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    _assert_error(_post(server, "/v1/completions", body, app="secure"), 401)
-    _assert_error(_post(server, "/v1/completions", body, app="secure",
-                        headers={"Authorization": "Bearer wrong"}), 401)
-    ok = _post(server, "/v1/completions", body, app="secure", headers={"Authorization": f"Bearer {KEY}"})
+    _assert_error(_post(server, "/v1/completions", secure, body), 401)
+    _assert_error(_post(server, "/v1/completions", secure, body, headers={"Authorization": "Bearer wrong"}), 401)
+    ok = _post(server, "/v1/completions", secure, body, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
-    c = openai.OpenAI(base_url=server.urls["secure"] + "/v1", api_key=KEY, max_retries=0)
+    c = openai.OpenAI(base_url=server.urls[secure] + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in c.models.list().data] == [MODEL]
 
 
-def test_backpressure_gives_503_with_retry_after(server):
+def test_backpressure_gives_503_with_retry_after(server, secure):
     async def one(cl):
-        return await cl.post(server.urls["secure"] + "/v1/completions",
+        return await cl.post(server.urls[secure] + "/v1/completions",
                              json={"model": MODEL, "prompt": "The river", "max_tokens": 200,
                                    "ignore_eos": True},
                              headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
@@ -208,14 +223,14 @@ def test_backpressure_gives_503_with_retry_after(server):
     codes = sorted(r.status_code for r in rs)
     assert 200 in codes and 503 in codes, codes
     r503 = next(r for r in rs if r.status_code == 503)
-    assert r503.headers.get("retry-after")
+    assert r503.headers.get("retry-after"), r503.text
     _assert_error(r503, 503)
 
 
-def test_disconnect_mid_stream_frees_blocks(server):
+def test_disconnect_mid_stream_frees_blocks(server, front):
     body = {"model": MODEL, "prompt": "The river", "max_tokens": 3000, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", server.urls["main"] + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server.urls[front] + "/v1/completions", json=body, timeout=60) as r:
         n = 0
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -224,7 +239,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
                 break
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        text = httpx.get(server.urls["main"] + "/metrics").text
+        text = httpx.get(server.urls[front] + "/metrics").text
         if metric(text, "num_requests_running") == 0 and metric(text, "kv_cache_bytes_in_use") == 0:
             break
         time.sleep(0.5)
@@ -232,11 +247,11 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert metric(text, "kv_cache_bytes_in_use") == 0
 
 
-def test_metrics_after_traffic(server, client):
+def test_metrics_after_traffic(server, front, client):
     prompt = "The river ran quietly past the old mill, and the miller's daughter counted the boats " * 2
     for _ in range(2):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
-    text = httpx.get(server.urls["main"] + "/metrics").text
+    text = httpx.get(server.urls[front] + "/metrics").text
     assert metric(text, "time_to_first_token_seconds_count") > 0
     assert metric(text, "e2e_request_latency_seconds_count") > 0
     assert metric(text, "inter_token_latency_seconds_count") > 0
@@ -256,8 +271,8 @@ def test_cached_tokens_in_usage(client):
     assert r.usage.prompt_tokens_details.cached_tokens >= 16
 
 
-def test_health(server):
-    assert httpx.get(server.urls["main"] + "/health").json() == {"status": "ok"}
+def test_health(server, front):
+    assert httpx.get(server.urls[front] + "/health").json() == {"status": "ok"}
 
 
 def test_shipped_config_serves_the_default_model():
@@ -304,7 +319,7 @@ def test_shipped_config_under_another_front(front):
     of the ingress replica's port; README: "Many streams on one host"): no Python proxy
     on the request path, and the OpenAI surface is the same: streamed tokens equal the
     unstreamed answer, and a bad request is a 400 with an OpenAI error body. Under
-    HAProxy the ingress runs two replicas, and HAProxy sends requests to both. HAProxy
+    HAProxy the app runs two replicas, and HAProxy sends requests to both. HAProxy
     is Serve's to start and to stop: running while served, gone after `serve run`."""
     import yaml
 
@@ -312,7 +327,7 @@ def test_shipped_config_under_another_front(front):
 
     cfg = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
     if front == "haproxy":
-        cfg["applications"][0]["args"]["ingress"]["num_replicas"] = 2
+        cfg["applications"][0]["args"]["llm_server"]["num_replicas"] = 2
     srv = ServeRun(cfg["applications"], front=front)
     try:
         if front == "haproxy":
@@ -328,6 +343,9 @@ def test_shipped_config_under_another_front(front):
             c.chat.completions.create(model="default", messages=msgs, max_tokens=-1)
         assert e.value.body["type"] == "invalid_request_error"
         if front == "haproxy":
+            deadline = time.monotonic() + 120   # the second replica may still be starting
+            while len(_haproxy_sessions(srv.dir)) < 2 and time.monotonic() < deadline:
+                time.sleep(1)
             for i in range(4):
                 c.completions.create(model="default", prompt=f"Count to {i}.", max_tokens=2)
             sessions = _haproxy_sessions(srv.dir)
