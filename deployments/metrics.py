@@ -32,6 +32,9 @@ class _ReplicaStats:
         "num_free_blocks": ("num_free_blocks", "Free KV blocks (cached or not)."),
         "num_cached_blocks": ("num_cached_blocks", "Blocks the prefix cache can serve."),
         "device_memory_active_bytes": ("device_memory_active_bytes", "MLX memory in use by the engines."),
+        "device_memory_cache_bytes": ("device_memory_cache_bytes",
+                                      "Freed MLX buffers the engines keep for reuse (given back when idle)."),
+        "device_memory_peak_bytes": ("device_memory_peak_bytes", "Most MLX memory the engines held at once."),
     }
     COUNTERS = {
         "prefix_cache_queries": ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),

@@ -381,4 +381,6 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.attention_backend,
             "device_memory_active_bytes": mx.get_active_memory(),
+            "device_memory_cache_bytes": mx.get_cache_memory(),
+            "device_memory_peak_bytes": mx.get_peak_memory(),
         }

@@ -25,6 +25,11 @@ HASH_SNAPSHOT_LIMIT = 8192
 # A step that fails aborts its requests and the engine carries on; this many failures
 # with no tokens delivered between them mean the engine cannot work: the loop stops.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Idle this long, the loop gives MLX's buffer cache back. Freed step buffers stay cached
+# for reuse, and at hundreds of sequences they grow to several times the KV pool (46 GiB
+# beside a 16 GiB pool on the H200), memory a Mac's other processes share. Not at once:
+# at one request at a time, every request would pay the allocations again.
+IDLE_CACHE_RELEASE_S = 2.0
 
 Recv = Callable[[bool], list]          # block -> the commands that arrived (waits a while if block)
 Emit = Callable[[list], None]
@@ -39,6 +44,7 @@ class EngineLoop:
         self._stopping = False
         self._failures = 0
         self._hashes_at = 0.0
+        self._busy_at = 0.0    # when the last step ran; 0 once the cache was released
 
     def run(self, recv: Recv, emit: Emit) -> None:
         try:
@@ -65,6 +71,10 @@ class EngineLoop:
                     self._apply(cmd, events)
                 if engine.has_unfinished_requests():
                     self._step(events)
+                    self._busy_at = time.monotonic()
+                elif self._busy_at and time.monotonic() - self._busy_at > IDLE_CACHE_RELEASE_S:
+                    mx.clear_cache()
+                    self._busy_at = 0.0
                 events.append(("stats", engine.stats()))
                 if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
                     events.append(("hashes", engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)))

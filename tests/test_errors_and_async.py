@@ -4,6 +4,7 @@ import asyncio
 import json
 import math
 import shutil
+import time
 
 import mlx.core as mx
 import pytest
@@ -205,6 +206,13 @@ def test_async_many_concurrent(async_engine):
 
     outs = asyncio.run(run())
     assert all(o.finished and len(o.outputs[0].token_ids) <= 8 for o in outs)
+    # Idle again, the engine has handed MLX's buffer cache back.
+    deadline = time.monotonic() + 10
+    while async_engine.stats()["device_memory_cache_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    s = async_engine.stats()
+    assert s["device_memory_cache_bytes"] == 0 and s["running"] == s["waiting"] == 0
+    assert s["device_memory_peak_bytes"] >= s["device_memory_active_bytes"] > 0
 
 
 class _FailingCollect:
