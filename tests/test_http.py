@@ -386,3 +386,25 @@ def test_serve_bench_measures_the_real_server(server):
     assert turns["completed"] == 6 and turns["total_output_tokens"] == 6 * 4
     assert turns["cached_prompt_tokens"] > 0                # later turns resend their history
     assert turns["request_rate"] == 20.0
+
+
+def test_colocated_app_args():
+    """`colocate: true` refuses what only the split app has (an ingress deployment, a
+    request router); colocated, the engine holds ongoing + queued requests and Serve's
+    own limits sit above that, so overload is answered by us with an OpenAI body."""
+    import pydantic
+
+    from deployments.app import OVERLOAD_MARGIN, AppArgs, build_app
+
+    with pytest.raises(pydantic.ValidationError, match="no ingress deployment"):
+        AppArgs(colocate=True, ingress={"num_replicas": 2})
+    router = {"request_router_class": "deployments.router:PrefixAwareRouter"}
+    with pytest.raises(pydantic.ValidationError, match="prefix-aware routing"):
+        AppArgs(colocate=True, llm_server={"request_router_config": router})
+    app = build_app(AppArgs(colocate=True, llm_server={"max_ongoing_requests": 100, "max_queued_requests": 20}))
+    d = app._bound_deployment
+    assert d.name == "OpenAIServer" and d.init_args[2] == 120
+    assert d._deployment_config.max_ongoing_requests == 120 + OVERLOAD_MARGIN
+    assert d._deployment_config.max_queued_requests == 120
+    unbounded = build_app(AppArgs(colocate=True, llm_server={"max_ongoing_requests": 100}))._bound_deployment
+    assert unbounded.init_args[2] is None and unbounded._deployment_config.max_ongoing_requests == 100
