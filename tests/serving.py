@@ -195,8 +195,10 @@ def metric(text: str, name: str) -> float | None:
 
 
 def replica_pids(app_name: str) -> list[int]:
-    """PIDs of the `LLMServer` replica processes of one Serve application."""
-    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app_name}:LLMServer"], capture_output=True, text=True)
+    """PIDs of the replica processes that hold an engine in one Serve application:
+    `LLMServer` replicas, or the colocated app's `OpenAIServer` ones."""
+    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app_name}:(LLMServer|OpenAIServer)"],
+                         capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 

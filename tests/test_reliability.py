@@ -39,6 +39,10 @@ def server():
         app("sec", "/sec", served_model_name=MODEL, api_keys=[KEY_A, KEY_B],
             engine={"kv_cache_memory_bytes": 16 << 20},
             llm_server={"ray_actor_options": small}, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+        app("colo", "/colo", served_model_name=MODEL, colocate=True,
+            engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20},
+            llm_server={"ray_actor_options": small, "max_ongoing_requests": 256,
+                        "health_check_period_s": 2.0, "health_check_timeout_s": 10.0}),
     ])
     yield srv
     srv.stop()
@@ -318,11 +322,11 @@ def test_soak_with_disconnects(server):
 
 
 # -- process failures (last: they kill processes) ------------------------------------------
-def _wait_served(url: str, old_replicas: list[int], timeout: float = 120) -> httpx.Response:
+def _wait_served(url: str, app_name: str, old_replicas: list[int], timeout: float = 120) -> httpx.Response:
     """Polls until a replica other than `old_replicas` answers; returns its answer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        new = replica_pids("rel")
+        new = replica_pids(app_name)
         if new and not set(new) & set(old_replicas):
             try:
                 r = _send(url, C, OK)
@@ -343,12 +347,13 @@ async def _kill_under_load(victims: list[int], requests: list) -> list:
     return await asyncio.gather(*tasks)
 
 
-def test_engine_death_is_503_and_the_replica_is_replaced(server):
+@pytest.mark.parametrize("app_name", ["rel", "colo"])
+def test_engine_death_is_503_and_the_replica_is_replaced(server, app_name):
     """An engine process that dies (here SIGKILL) fails the requests it held and every
     new one with 503 + Retry-After and an OpenAI error body, never a 500 or a hang; the
-    replica's health check then fails and Serve replaces it."""
-    url = server.urls["rel"]
-    pids = replica_pids("rel")
+    replica's health check then fails and Serve replaces it. Split and colocated."""
+    url = server.urls[app_name]
+    pids = replica_pids(app_name)
     engines = [e for p in pids for e in engine_pids(p)]
     assert engines, "no engine process found"
 
@@ -368,13 +373,18 @@ def test_engine_death_is_503_and_the_replica_is_replaced(server):
     assert failed, "no request saw the dead engine"
     for r in failed:
         assert r.headers["retry-after"] and r.json()["error"]["type"] == "server_error"
-    r = _wait_served(url, pids)
+    r = _wait_served(url, app_name, pids)
     assert r.status_code == 200, r.text
 
 
-def test_replica_failure_recovers(server):
-    url = server.urls["rel"]
-    pids = replica_pids("rel")
+@pytest.mark.parametrize("app_name", ["rel", "colo"])
+def test_replica_failure_recovers(server, app_name):
+    """The replica holding the engine killed under load: no client hangs, each gets its
+    answer or an error, the engine process goes too, and a new replica serves. Split,
+    the ingress answers 503 with Retry-After; colocated, the HTTP front died with the
+    replica, and Serve's proxy answers 500 for it."""
+    url = server.urls[app_name]
+    pids = replica_pids(app_name)
     assert pids, "no LLMServer replica process found"
     engines = [e for p in pids for e in engine_pids(p)]
     assert len(engines) == len(pids), "each replica runs its engine in a process of its own"
@@ -395,9 +405,10 @@ def test_replica_failure_recovers(server):
     results = asyncio.run(run())
     print(f"replica killed mid-load; in-flight outcomes: {results}")
     assert all(elapsed < 90 for _, elapsed in results), "a client hung"
-    assert all(code in (200, 503) for code, _ in results), results   # an error, or the answer
+    errors = (503,) if app_name == "rel" else (500,)
+    assert all(code in (200, *errors) for code, _ in results), results   # an error, or the answer
     for e in engines:     # a killed replica's engine process exits too: no model left in memory
         assert exited(e, 30), f"engine process {e} outlived its replica"
-    r = _wait_served(url, pids)
+    r = _wait_served(url, app_name, pids)
     assert r.status_code == 200, r.text
-    assert replica_pids("rel") and not set(replica_pids("rel")) & set(pids)
+    assert replica_pids(app_name) and not set(replica_pids(app_name)) & set(pids)
