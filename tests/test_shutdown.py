@@ -23,13 +23,15 @@ def serve_instance(tmp_path_factory):
     ray.shutdown()
 
 
-def _app(seed: int):
+def _app(seed: int, colocate: bool):
     from deployments.app import AppArgs, build_app
 
+    split = {} if colocate else {"ingress": {"ray_actor_options": {"num_cpus": 0.1},
+                                             "graceful_shutdown_timeout_s": 60}}
     return build_app(AppArgs(
         served_model_name="default", engine={"seed": seed, "kv_cache_memory_bytes": 16 << 20},
         llm_server={"ray_actor_options": {"num_cpus": 0.5}, "graceful_shutdown_timeout_s": 60},
-        ingress={"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}))
+        colocate=colocate, **split))
 
 
 def _draining(serve) -> bool:
@@ -37,10 +39,11 @@ def _draining(serve) -> bool:
     return any(d.replica_states.get("STOPPING", 0) > 0 for d in deployments.values())
 
 
-def test_redeploy_drains_in_flight_streams(serve_instance):
+@pytest.mark.parametrize("colocate", [False, True], ids=["split", "colocated"])
+def test_redeploy_drains_in_flight_streams(serve_instance, colocate):
     from ray import serve
 
-    serve.run(_app(0), name="g", route_prefix="/")
+    serve.run(_app(0, colocate), name="g", route_prefix="/")
     body = {"model": "default", "prompt": "The river", "max_tokens": 3000, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     chunks, reasons, tokens = 0, [], 0
@@ -58,8 +61,8 @@ def test_redeploy_drains_in_flight_streams(serve_instance):
             if not reasons and chunks % 10 == 0 and _draining(serve):
                 replaced_mid_stream = True
             if chunks == 3 and not redeployed.is_set():
-                # replace both deployments while this stream is running
-                threading.Thread(target=lambda: (serve.run(_app(1), name="g", route_prefix="/"),
+                # replace the app's deployments while this stream is running
+                threading.Thread(target=lambda: (serve.run(_app(1, colocate), name="g", route_prefix="/"),
                                                  redeployed.set()), daemon=True).start()
     assert redeployed.wait(120), "the redeploy did not finish"
     print(f"stream of {chunks} chunks finished; its replicas were stopping while it ran: "
