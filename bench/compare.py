@@ -81,7 +81,7 @@ def our_app_config(model: str, engine: dict, **app_args) -> dict:
     args = dict(app["args"])
     args.update(model=model, served_model_name="default", engine={**args.get("engine", {}), **engine},
                 **app_args)
-    return {**app, "args": {k: v for k, v in args.items() if v is not None}}   # None: drop the key
+    return {**app, "args": args}
 
 
 def _metrics_sampler(base: str):

@@ -80,7 +80,7 @@ class ServeRun:
     on a new port."""
 
     ATTEMPTS = 3
-    INGRESS_PORTS = 4   # under HAProxy, room for this many ingress replicas
+    INGRESS_PORTS = 4   # under HAProxy, room for this many replicas answering HTTP
 
     def __init__(self, applications: list[dict], timeout: float = 180.0, front: str = "proxy"):
         """`front`: what answers HTTP. "proxy": Serve's proxy, as shipped. "direct": Ray
@@ -197,9 +197,7 @@ def metric(text: str, name: str) -> float | None:
 def replica_pids(app_name: str) -> list[int]:
     """PIDs of the replica processes that hold an engine in one Serve application:
     `LLMServer` replicas, or the colocated app's `OpenAIServer` ones."""
-    out = subprocess.run(["pgrep", "-f", f"ServeReplica:{app_name}:(LLMServer|OpenAIServer)"],
-                         capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    return live_pids("-f", f"ServeReplica:{app_name}:(LLMServer|OpenAIServer)")
 
 
 def exited(pid: int, timeout: float) -> bool:
@@ -220,9 +218,7 @@ def exited(pid: int, timeout: float) -> bool:
 
 def engine_pids(replica_pid: int) -> list[int]:
     """PIDs of the engine processes a replica started."""
-    out = subprocess.run(["pgrep", "-P", str(replica_pid), "-f", "runtime.engine_process"],
-                         capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    return live_pids("-P", str(replica_pid), "-f", "runtime.engine_process")
 
 
 def app(name: str, route_prefix: str, **args) -> dict:
