@@ -252,6 +252,7 @@ def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
            "completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
            "num_requests": s["num_requests"], "prompt_tokens": s["total_input_tokens"],
            "cached_prompt_tokens": s["cached_prompt_tokens"], "duration_s": s["duration_s"],
+           "client_cpu_frac": s["client_cpu_frac"],
            "ttfts_s": [round(t, 5) for t in s["ttfts"]], **extra}
     samples = [x for x in s.get("samples") or [] if x]
     busy = [x for x in samples if x["num_requests_running"] > 0]
@@ -262,7 +263,7 @@ def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
     fail = f"  FAILED {s['failed']}: {s['errors'][:1]}" if s["failed"] else ""
     print(f"{target.name:>18} {workload:>16} c={str(row['concurrency']):>4} rate={str(row['request_rate'])[:6]:>6}"
           f" {row['output_tok_s']:9.1f} tok/s  TTFT p50 {_ms(row['ttft_p50_s'])} p95 {_ms(row['ttft_p95_s'])}"
-          f"  TPOT p50 {_ms(row['tpot_p50_s'])}{fail}", flush=True)
+          f"  TPOT p50 {_ms(row['tpot_p50_s'])}  client CPU {row['client_cpu_frac'] or 0:4.0%}{fail}", flush=True)
     return row
 
 

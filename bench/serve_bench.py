@@ -10,6 +10,8 @@ its chunks are timed as they arrive. Definitions follow `vllm bench serve`:
 - ITL: the gaps between successive chunks carrying output, pooled over requests.
 - E2E: request sent -> last byte.
 - Goodput: completed requests per second that met every SLO given by `--goodput`.
+- Client CPU: this load generator's own CPU time over the run's wall time; near 1.0,
+  the client (one event loop) and not the server may be what limits the figures.
 
 Output token counts come from the server's `usage` (stream_options.include_usage).
 
@@ -60,20 +62,24 @@ class Request:
 
 
 class TextSource:
-    """Prompts of a given token length: windows of the bundled corpus, cut to length
-    in tokens by the model's tokenizer. Real words keep every server's tokenizer and
-    chat template on their ordinary path."""
+    """Prompts of a given token length: words of the bundled corpus in random order, cut
+    to length in tokens by the model's tokenizer. Real words keep every server's
+    tokenizer and chat template on their ordinary path; the random order keeps prompts
+    from sharing a prefix (and a prefix cache's hits) unless a workload means them to."""
 
     def __init__(self, tokenizer, seed: int = 0):
         self.tok = tokenizer
-        self.ids = tokenizer.encode(CORPUS.read_text())
+        self.words = CORPUS.read_text().split()
         self.rng = random.Random(seed)
 
     def text(self, n_tokens: int) -> str:
         n_tokens = max(1, n_tokens)
-        start = self.rng.randrange(0, max(1, len(self.ids) - n_tokens))
-        ids = (self.ids * (1 + n_tokens // len(self.ids)))[start:start + n_tokens]
-        return self.tok.decode(ids)
+        words: list[str] = []
+        ids: list[int] = []
+        while len(ids) < n_tokens:
+            words += self.rng.choices(self.words, k=n_tokens - len(ids))
+            ids = self.tok.encode(" ".join(words), add_special_tokens=False)
+        return self.tok.decode(ids[:n_tokens])
 
 
 def random_workload(src: TextSource, n: int, input_len: int, output_len: int,
@@ -174,15 +180,24 @@ class HTTPBackend:
 
     def __init__(self, base_url: str, model: str, extra_body: dict | None = None,
                  api_key: str | None = None, stream: bool = True):
-        import httpx
-
         self.base = base_url.rstrip("/")
         self.model = model
         self.extra = extra_body or {}
         self.stream = stream
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
-                                        limits=httpx.Limits(max_connections=2048))
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session = None
+
+    def _client(self):
+        """One aiohttp session, made in the running loop. aiohttp, as `vllm bench serve`
+        uses: with hundreds of streams, httpx's per-chunk cost made this client the
+        bottleneck (one core at 100 %) before the servers were."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, timeout=aiohttp.ClientTimeout(total=600),
+                connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
+        return self._session
 
     async def send(self, req: Request, messages: list[dict] | None) -> Result:
         body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0,
@@ -196,12 +211,13 @@ class HTTPBackend:
         if not self.stream:
             return await self._send_whole(path, body, res, t0)
         try:
-            async with self.client.stream("POST", self.base + path, json=body) as r:
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            async with self._client().post(self.base + path, json=body) as r:
+                if r.status != 200:
+                    res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return res
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
                     if chunk.get("usage"):
@@ -229,11 +245,11 @@ class HTTPBackend:
     async def _send_whole(self, path: str, body: dict, res: Result, t0: float) -> Result:
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         try:
-            r = await self.client.post(self.base + path, json=body)
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {r.content[:200]!r}"
-                return res
-            out = r.json()
+            async with self._client().post(self.base + path, json=body) as r:
+                if r.status != 200:
+                    res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                    return res
+                out = await r.json()
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
             return res
@@ -245,7 +261,8 @@ class HTTPBackend:
         return res
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 class EngineBackend:
@@ -348,6 +365,7 @@ async def run(backend, requests: list[Request], request_rate: float = math.inf,
             await asyncio.sleep(0.5)
 
     sampling = asyncio.create_task(sample_loop()) if sampler else None
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     tasks = []
     for i, req in enumerate(requests):
@@ -356,13 +374,15 @@ async def run(backend, requests: list[Request], request_rate: float = math.inf,
             await asyncio.sleep(rng.exponential(1.0 / request_rate))
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
+    client_cpu = time.process_time() - cpu0
     if sampling:
         sampling.cancel()
         samples.append(await asyncio.to_thread(sampler))
     bar.close()
     out = summarize(results, duration, slo or {})
     out.update(request_rate=None if request_rate == math.inf else request_rate,
-               max_concurrency=max_concurrency, num_requests=len(requests))
+               max_concurrency=max_concurrency, num_requests=len(requests),
+               client_cpu_frac=client_cpu / duration if duration else None)
     if sampler:
         out["samples"] = samples
     return out

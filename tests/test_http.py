@@ -387,6 +387,18 @@ def test_serve_bench_measures_the_real_server(server):
     assert turns["cached_prompt_tokens"] > 0                # later turns resend their history
     assert turns["request_rate"] == 20.0
 
+    async def one(backend, req):
+        try:
+            return await backend.send(req, None)
+        finally:
+            await backend.aclose()
+
+    req = sb.random_workload(src, 1, 16, 5, 0.0)[0]
+    whole = asyncio.run(one(sb.HTTPBackend(*backend_args, stream=False), req))
+    assert whole.ok and whole.output_tokens == 5 and whole.ttft == whole.e2e > 0 and whole.text
+    missing = asyncio.run(one(sb.HTTPBackend(backend_args[0], "no-such-model"), req))
+    assert not missing.ok and missing.error.startswith("HTTP 404") and "model_not_found" in missing.error
+
 
 def test_colocated_app_args():
     """`colocate: true` refuses what only the split app has (an ingress deployment, a
