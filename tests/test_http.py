@@ -381,6 +381,7 @@ def test_serve_bench_measures_the_real_server(server):
     assert prefix["cached_prompt_tokens"] >= 6 * 48          # 6 of 8 requests find their prefix
     assert prefix["ttft_s"]["p50"] <= prefix["e2el_s"]["p50"]
     assert prefix["tpot_s"]["mean"] > 0 and prefix["itl_s"]["mean"] > 0
+    assert 0 < prefix["client_cpu_frac"] < 2               # the client's own CPU share is recorded
 
     turns = asyncio.run(go(sb.multi_turn_workload(src, 2, 3, 16, 4), request_rate=20.0))
     assert turns["completed"] == 6 and turns["total_output_tokens"] == 6 * 4
