@@ -145,6 +145,20 @@ def test_stream_interval_merges_outputs_without_losing_tokens(async_engine, engi
         assert outs[-1].finished and outs[-1].outputs[0].token_ids == want.token_ids
 
 
+def test_serve_bench_prompts_share_prefixes_only_by_design(async_engine):
+    """Random prompts have their length and no shared first KV block (a prefix cache
+    must not flatter the random workload); the prefix workload's do share theirs."""
+    from bench import serve_bench as sb
+
+    tok = async_engine.tokenizer
+    src = sb.TextSource(tok, seed=5)
+    ids = [tok.encode(r.prompt) for r in sb.random_workload(src, 200, 64, 4, 0.5)]
+    assert all(32 - 2 <= len(i) <= 96 + 2 for i in ids)
+    assert len({tuple(i[:16]) for i in ids}) == len(ids)
+    fam = [tok.encode(r.prompt) for r in sb.prefix_workload(src, 8, 64, 2, 8, 4)]
+    assert len({tuple(i[:48]) for i in fam}) == 2
+
+
 def test_serve_bench_engine_backend_counts_every_token(async_engine):
     from bench import serve_bench as sb
 
