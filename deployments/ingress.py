@@ -2,7 +2,7 @@
 
 It validates requests with pydantic, applies the chat template and tokenizes (the
 router needs token ids), then streams from `LLMServer` replicas through a
-`DeploymentHandle`, or from the one `LLMServer` in its own process when colocated
+`DeploymentHandle`, or from the `LLMServer` held in the same replica when colocated
 (llm_client.py), and writes JSON or server-sent events with starlette. Every error is
 an OpenAI error body with the right status, never a stack trace.
 """
