@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,7 @@ class Target:
     make_backend: callable
     sampler: callable = None
     note: str = ""
+    log: Path | None = None     # a subprocess server's log: its tail explains failed requests
 
 
 # -- the systems ---------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def subprocess_server(name: str, cmd: list[str], port: int, model_name: str, ext
     try:
         _wait_http(f"http://127.0.0.1:{port}/v1/models", proc, log, 900)
         yield Target(name, lambda: sb.HTTPBackend(f"http://127.0.0.1:{port}", model_name, extra),
-                     note=" ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd[:3])))
+                     note=" ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd[:3])), log=log)
     finally:
         os.killpg(proc.pid, 15)
         try:
@@ -260,6 +262,8 @@ def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
         row["kv_bytes_peak_sampled"] = max(x["kv_cache_bytes_in_use"] for x in samples)
         row["kv_bytes_steady"] = float(np.median([x["kv_cache_bytes_in_use"] for x in busy])) if busy else 0.0
         row["kv_bytes_saved_by_sharing_peak"] = max(x["kv_cache_bytes_saved_by_sharing"] for x in samples)
+    if s["failed"] and target.log is not None:
+        row["server_log_tail"] = target.log.read_text(errors="replace")[-2000:]
     fail = f"  FAILED {s['failed']}: {s['errors'][:1]}" if s["failed"] else ""
     print(f"{target.name:>18} {workload:>16} c={str(row['concurrency']):>4} rate={str(row['request_rate'])[:6]:>6}"
           f" {row['output_tok_s']:9.1f} tok/s  TTFT p50 {_ms(row['ttft_p50_s'])} p95 {_ms(row['ttft_p95_s'])}"
@@ -271,11 +275,21 @@ def _ms(x) -> str:
     return f"{x * 1e3:8.1f}ms" if x is not None else "     n/a  "
 
 
-def warm_up(target: Target, wl: "Workloads") -> None:
-    """A short pass over every sweep point, so one-off kernel compilation for each batch
-    shape is not timed (MLX's CUDA backend compiles on first use)."""
-    for c in wl.a.concurrency:
-        measure(target, sb.random_workload(wl.src(7 + c), c, wl.a.input_len, 4, wl.a.range_ratio), concurrency=c)
+def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random"})) -> None:
+    """A short pass over every sweep point, and over the prefix and multi-turn shapes
+    when they are planned, so one-off kernel compilation for each batch shape is not
+    timed (MLX's CUDA backend compiles on first use; a prompt whose prefix is cached runs
+    a new attention shape, a few new tokens over a long context). Its text is its own:
+    nothing it caches is hit later."""
+    a = wl.a
+    for c in a.concurrency:
+        measure(target, sb.random_workload(wl.src(7 + c), c, a.input_len, 4, a.range_ratio), concurrency=c)
+    if "prefix" in plan:
+        reqs = sb.prefix_workload(wl.src(9000), 3 * a.prefix_concurrency, a.prefix_len, 1, a.suffix_len, 4)
+        measure(target, reqs, concurrency=a.prefix_concurrency)
+    if "multi-turn" in plan:
+        reqs = sb.multi_turn_workload(wl.src(9001), a.num_sessions, 2, a.turn_len, 4)
+        measure(target, reqs, concurrency=a.num_sessions)
 
 
 class Workloads:
@@ -313,7 +327,7 @@ def _plan_of(workload: str) -> str:
 def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None) -> list[dict]:
     plan = plan & set(args.workloads)
     rows = []
-    warm_up(target, wl)
+    warm_up(target, wl, plan)
     if "random" in plan:
         for c in args.concurrency:
             rows.append(to_row(target, "random", measure(target, wl.random(c), concurrency=c)))
@@ -392,9 +406,11 @@ def pick(rows, system, workload, concurrency=None):
 
 
 def headline(rows: list[dict], args) -> dict:
-    """The issue's four comparisons, as ratios."""
+    """The issue's four comparisons, as ratios. A comparison whose rows are missing or
+    failed (a partial or merged run) is left out rather than guessed."""
     h = {}
-    sweep = lambda s: [r for r in rows if r["system"] == s and r["workload"] == "random"]  # noqa: E731
+    ok = lambda r: r is not None and r["ttft_p50_s"] is not None  # noqa: E731
+    sweep = lambda s: [r for r in rows if r["system"] == s and r["workload"] == "random" and ok(r)]  # noqa: E731
     ml, us, bare = mlx_lm_sweep(rows), sweep("ours"), sweep("ours-bare-engine")
     if ml and us:
         peak_ml = max(r["output_tok_s"] for r in ml)
@@ -403,23 +419,22 @@ def headline(rows: list[dict], args) -> dict:
         h["ours_peak_output_tok_s"] = max(r["output_tok_s"] for r in us)
         h["saturation_throughput_ratio"] = h["ours_peak_output_tok_s"] / peak_ml
         h["load_80pct_concurrency"] = c80
-        h["ttft_p50_ratio_at_80pct_concurrency"] = (pick(rows, "ours", "random", c80)["ttft_p50_s"]
-                                                    / pick(rows, "mlx_lm.server", "random", c80)["ttft_p50_s"])
+        o, m = pick(rows, "ours", "random", c80), pick(rows, "mlx_lm.server", "random", c80)
+        if ok(o) and ok(m):
+            h["ttft_p50_ratio_at_80pct_concurrency"] = o["ttft_p50_s"] / m["ttft_p50_s"]
     po, pm = pick(rows, "ours", "random-poisson"), pick(rows, "mlx_lm.server", "random-poisson")
-    if po and pm and po["ttft_p50_s"] and pm["ttft_p50_s"]:
+    if ok(po) and ok(pm):
         h["poisson_rate_req_s"] = pm["request_rate"]
         h["ttft_p50_ratio_at_80pct_rate"] = po["ttft_p50_s"] / pm["ttft_p50_s"]
-    if us and bare:
-        top = max(r["concurrency"] for r in us)
-        h["serve_overhead_throughput"] = 1 - pick(rows, "ours", "random", top)["output_tok_s"] / \
-            pick(rows, "ours-bare-engine", "random", top)["output_tok_s"]
-        low = min(r["concurrency"] for r in us)
-        h["serve_overhead_ttft_s_at_low_load"] = pick(rows, "ours", "random", low)["ttft_p50_s"] - \
-            pick(rows, "ours-bare-engine", "random", low)["ttft_p50_s"]
-        h["serve_overhead_ttft_s_at_top_load"] = pick(rows, "ours", "random", top)["ttft_p50_s"] - \
-            pick(rows, "ours-bare-engine", "random", top)["ttft_p50_s"]
+    both = sorted({r["concurrency"] for r in us} & {r["concurrency"] for r in bare})
+    if both:
+        o, b = (pick(rows, "ours", "random", both[-1]), pick(rows, "ours-bare-engine", "random", both[-1]))
+        h["serve_overhead_throughput"] = 1 - o["output_tok_s"] / b["output_tok_s"]
+        h["serve_overhead_ttft_s_at_top_load"] = o["ttft_p50_s"] - b["ttft_p50_s"]
+        o, b = (pick(rows, "ours", "random", both[0]), pick(rows, "ours-bare-engine", "random", both[0]))
+        h["serve_overhead_ttft_s_at_low_load"] = o["ttft_p50_s"] - b["ttft_p50_s"]
     on, off = pick(rows, "ours", "prefix"), pick(rows, "ours-no-apc", "prefix")
-    if on and off and on["ttft_p50_s"] and off["ttft_p50_s"]:
+    if ok(on) and ok(off):
         h["apc_ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
         h["apc_ttft_mean_speedup"] = off["ttft_mean_s"] / on["ttft_mean_s"]
     mem = [(pick(rows, "ours-bare-engine", "kv-memory", c), pick(rows, "mlx_lm.server", "kv-memory", c))
@@ -517,6 +532,9 @@ def main(argv=None):
                     help="which workloads to run (with --merge, only their rows are replaced)")
     ap.add_argument("--replot", action="store_true", help="only redo the headline and plot from the JSON")
     args = ap.parse_args(argv)
+    # A run stopped with SIGTERM (`timeout`, a job scheduler) must still stop the servers
+    # it started: an orphaned one keeps its device memory and starves the next run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.replot:
         rows = json.loads((Path(args.results_dir) / f"compare_{args.tag}.json").read_text())
         print(json.dumps(headline(rows, args), indent=2))

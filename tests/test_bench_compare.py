@@ -1,0 +1,92 @@
+"""The comparison harness: a partial bundle still gets a headline, and a run stopped
+with SIGTERM stops the servers it started."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import compare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(system, workload, concurrency, tok_s, ttft, rate=None, failed=0):
+    return {"system": system, "workload": workload, "concurrency": concurrency, "request_rate": rate,
+            "output_tok_s": tok_s, "ttft_p50_s": ttft, "ttft_mean_s": ttft, "failed": failed}
+
+
+def test_headline_of_a_partial_bundle_leaves_out_what_it_cannot_compare():
+    rows = [_row("mlx_lm.server", "random", 1, 100.0, 0.5), _row("mlx_lm.server", "random", 8, 200.0, 1.0),
+            _row("ours", "random", 256, 900.0, 0.3),                       # no 8-stream row: merged apart
+            _row("ours-bare-engine", "random", 256, 1000.0, 0.2), _row("ours-bare-engine", "random", 8, 0.0, None, failed=8),
+            _row("ours", "random-poisson", None, 50.0, 0.04, rate=1.2),
+            _row("mlx_lm.server", "random-poisson", None, 0.0, None, rate=1.2, failed=96),
+            _row("ours", "prefix", 8, 400.0, 0.1), _row("ours-no-apc", "prefix", 8, 200.0, 0.5)]
+    h = compare.headline(rows, None)
+    assert h["load_80pct_concurrency"] == 8 and h["saturation_throughput_ratio"] == 4.5
+    assert "ttft_p50_ratio_at_80pct_concurrency" not in h       # ours has no row at 8 streams
+    assert "ttft_p50_ratio_at_80pct_rate" not in h              # mlx_lm.server's Poisson row failed
+    assert abs(h["serve_overhead_throughput"] - 0.1) < 1e-9     # 256 streams, the only point both ran
+    assert abs(h["apc_ttft_p50_speedup"] - 5.0) < 1e-9
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_servers_the_run_started(tmp_path):
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads process parents from /proc")
+    run = subprocess.Popen(
+        [sys.executable, "bench/compare.py", "--tag", "t", "--results-dir", str(tmp_path), "--systems",
+         "mlx_lm.server", "--concurrency", "1", "--min-prompts", "500", "--workloads", "random",
+         "--no-kv-memory"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    server = None
+    try:
+        deadline = time.monotonic() + 120
+        while server is None and time.monotonic() < deadline and run.poll() is None:
+            server = next((p for p in _children(run.pid) if b"mlx_lm.server" in _cmdline(p)), None)
+            time.sleep(0.2)
+        assert server is not None, "compare.py started no mlx_lm.server"
+        time.sleep(2)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(60) != 0
+        deadline = time.monotonic() + 30
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server), "the server outlived the run that started it"
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if server is not None and _alive(server):
+            os.kill(server, signal.SIGKILL)
