@@ -176,14 +176,17 @@ class HTTPBackend:
     """Streams from `/v1/completions` or `/v1/chat/completions`. `extra_body` rides along
     on every request (e.g. a logit bias that bans EOS, so every server produces exactly
     `output_len` tokens). With `stream=False` each request gets one whole response: its
-    TTFT is then its end-to-end latency, which is what such a client waits for."""
+    TTFT is then its end-to-end latency, which is what such a client waits for. A stream
+    that sends nothing for `stall_s` fails as stalled, so a server that stops generating
+    without closing its streams ends the run with errors instead of hanging it."""
 
     def __init__(self, base_url: str, model: str, extra_body: dict | None = None,
-                 api_key: str | None = None, stream: bool = True):
+                 api_key: str | None = None, stream: bool = True, stall_s: float = 120.0):
         self.base = base_url.rstrip("/")
         self.model = model
         self.extra = extra_body or {}
         self.stream = stream
+        self.stall_s = stall_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = None
 
@@ -210,8 +213,11 @@ class HTTPBackend:
         t0 = time.perf_counter()
         if not self.stream:
             return await self._send_whole(path, body, res, t0)
+        import aiohttp
+
         try:
-            async with self._client().post(self.base + path, json=body) as r:
+            async with self._client().post(self.base + path, json=body,
+                                           timeout=aiohttp.ClientTimeout(total=600, sock_read=self.stall_s)) as r:
                 if r.status != 200:
                     res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return res
@@ -232,6 +238,9 @@ class HTTPBackend:
                                 res.itl.append(now - last)
                             last = now
                             pieces.append(piece or "")
+        except asyncio.TimeoutError:
+            res.error = f"stalled: no bytes for {self.stall_s:g} s" + (" after the first token" if last else "")
+            return res
         except Exception as e:                      # a benchmark reports failures, it does not stop
             res.error = f"{type(e).__name__}: {e}"
             return res

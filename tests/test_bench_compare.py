@@ -90,3 +90,34 @@ def test_sigterm_stops_the_servers_the_run_started(tmp_path):
             run.kill()
         if server is not None and _alive(server):
             os.kill(server, signal.SIGKILL)
+
+
+def test_a_stream_that_stops_fails_as_stalled_instead_of_hanging():
+    """A server that sends its first token and then nothing, without closing the stream
+    (as a generation thread that died leaves it), costs the run `stall_s`, not forever."""
+    import asyncio
+
+    from bench import serve_bench as sb
+
+    chunk = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        backend = sb.HTTPBackend(f"http://127.0.0.1:{port}", "m", stall_s=1.0)
+        try:
+            return await asyncio.wait_for(backend.send(sb.Request("hi", None, 4), None), 20)
+        finally:
+            await backend.aclose()
+            server.close()
+
+    res = asyncio.run(go())
+    assert not res.ok and res.error == "stalled: no bytes for 1 s after the first token"
