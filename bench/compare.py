@@ -11,7 +11,8 @@ proxy, and `ours-haproxy-2-ingress` behind HAProxy (which balances over both); o
 `ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in
 `ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
 through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shipped
-`configs/config.yaml` colocates front and engine in one replica.
+`configs/config.yaml` colocates front and engine in one replica; opt-in `ours-ray-nice`:
+the app with its engine left at the niceness Ray gives its workers (15) instead of 0.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -617,6 +618,9 @@ def main(argv=None):
             cap = float(name.removeprefix("ours-chunks-"))
             with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:
                 rows += variant_sweep(t, wl, args, f"{cap:g} chunks/s", max_stream_chunks_per_s=cap)
+        elif name == "ours-ray-nice":
+            with ours(model, engine, "ours", extra, engine_nice=None) as t:
+                rows += variant_sweep(t, wl, args, "engine at Ray's nice 15", engine_nice=None)
         elif name == "ours-engine-thread":
             with ours(model, engine, "ours", extra, engine_process=False) as t:
                 rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)

@@ -74,6 +74,12 @@ class AppArgs(BaseModel):
         True, description="run each LLMServer's engine loop in a process of its own, so Ray's "
                           "per-message work in the replica and the engine's host work of a step "
                           "do not take turns on one GIL; false runs it on a thread of the replica")
+    engine_nice: Optional[int] = Field(
+        0, ge=-20, le=19, description="niceness of each LLMServer's engine (and MLX's threads): "
+                                      "Ray starts its workers at 15, where the engine waits "
+                                      "behind every nice-0 process for CPU; lowering it needs "
+                                      "privileges (else a warning, and RAY_worker_niceness=0 "
+                                      "before `ray start` does it); null leaves Ray's")
     pin_cpus: Optional[int] = Field(
         None, ge=1, description="pin each LLMServer's engine (and MLX's threads) to this "
                                 "many CPUs, replica rank r taking CPUs [r * n, (r + 1) * n) modulo "
@@ -134,7 +140,7 @@ def build_app(args: AppArgs) -> serve.Application:
     }
     server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,
                    "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,
-                   "engine_process": args.engine_process}
+                   "engine_process": args.engine_process, "engine_nice": args.engine_nice}
     if args.colocate:
         opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING), None
         if opts["max_queued_requests"] >= 0:

@@ -39,34 +39,56 @@ def pin_current_thread(cpus: set[int]) -> bool:
 
     Only the engine is pinned (its process's main thread, or its thread in the
     replica), never Ray's own threads (gRPC, event loops): they stay free to run on any
-    core, and pinning them beside the engine starved the engine of requests. Ray starts
-    workers at nice 15; a pinned engine cannot move off a core that a nice-0 process
-    also wants, so it returns to nice 0 where the OS allows. The price, where engines
-    fill every core: Serve's nice-15 actors wait for CPU, and so do new requests (the
-    cluster section of bench/results/README.md measures both sides)."""
+    core, and pinning them beside the engine starved the engine of requests. Where
+    engines fill every core, Serve's nice-15 actors wait for CPU, and so do new requests
+    (the cluster section of bench/results/README.md measures both sides)."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     os.sched_setaffinity(0, cpus)
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
-    except PermissionError:
-        pass   # lowering nice needs privileges; keep Ray's
     return True
+
+
+def set_niceness(nice: int) -> int | None:
+    """Set the calling thread, and the threads it starts (MLX's among them), to `nice`
+    where the OS allows, and give the niceness it runs at (None where it cannot be read).
+
+    Ray starts its workers at nice 15 (`RAY_worker_niceness`) so that its daemons keep
+    their CPU; an engine process inherits it from its replica, and then every step's
+    wake-ups and MLX's CPU threads queue behind any nice-0 process (on the 2-core CI
+    host this cost the shipped app a third of its throughput at 64 streams, and most
+    of its TTFT at one stream: bench/results/README.md). Lowering niceness needs
+    privileges (root, CAP_SYS_NICE); without them the engine stays where Ray put it."""
+    who = 0 if threading.current_thread() is threading.main_thread() else threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, who, nice)
+    except OSError:
+        pass   # no privilege to lower it, or no per-thread niceness (macOS threads)
+    try:
+        return os.getpriority(os.PRIO_PROCESS, who)
+    except OSError:
+        return None
 
 
 def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
     return {(rank * per_replica + i) % num_cpus for i in range(per_replica)}
 
 
-def _pin_engine_thread(rank: int, cpus: set[int]) -> None:
-    log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus),
-             pin_current_thread(cpus))
+def _engine_on_start(rank: int, nice: int | None, cpus: set[int] | None) -> None:
+    """Runs where the engine loop runs, before the model loads."""
+    if nice is not None:
+        got = set_niceness(nice)
+        if got is not None and got != nice:
+            log.warning("LLMServer rank %d: the engine runs at nice %d, not %d (lowering it needs "
+                        "privileges; RAY_worker_niceness=0 before `ray start` or `serve run` avoids it)",
+                        rank, got, nice)
+    if cpus:
+        log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus), pin_current_thread(cpus))
 
 
 class LLMServer:
     def __init__(self, engine_config: dict, stream_interval_s: float = 0.0,
                  pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0,
-                 engine_process: bool = True):
+                 engine_process: bool = True, engine_nice: int | None = 0):
         rank = 0
         try:
             from ray import serve
@@ -75,10 +97,9 @@ class LLMServer:
             rank = getattr(ctx.rank, "rank", 0)
         except Exception:
             self.replica_id = uuid.uuid4().hex[:8]
-        on_start = None
-        if pin_cpus:
-            on_start = partial(_pin_engine_thread, rank, rank_cpus(rank, pin_cpus, os.cpu_count() or 1))
-        self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start, process=engine_process)
+        cpus = rank_cpus(rank, pin_cpus, os.cpu_count() or 1) if pin_cpus else None
+        self.engine = AsyncEngine(EngineConfig(**engine_config), process=engine_process,
+                                  on_start=partial(_engine_on_start, rank, engine_nice, cpus))
         self.stream_interval_s = stream_interval_s
         self.max_stream_chunks_per_s = max_stream_chunks_per_s
         self._ids = itertools.count()

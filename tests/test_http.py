@@ -1,8 +1,10 @@
 """The real app under `serve run`, driven by the official `openai` client and httpx."""
 
 import asyncio
+import os
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -10,7 +12,7 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app, live_pids, metric
+from .serving import ServeRun, app, engine_pids, live_pids, metric, replica_pids
 
 KEY = "sk-test-tenant-a"
 MODEL = "default"
@@ -290,6 +292,14 @@ def test_shipped_config_serves_the_default_model():
         r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello!"}],
                                       max_tokens=8)
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
+        if Path("/proc/self/task").exists() and os.geteuid() == 0:
+            # Ray runs the replica at nice 15; its engine process, every thread of it
+            # (MLX's too), is back at nice 0 (`engine_nice: 0`, the default).
+            (replica,) = replica_pids("llm")
+            (engine,) = engine_pids(replica)
+            tasks = os.listdir(f"/proc/{engine}/task")
+            assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks} == {0}, tasks
+            print("replica nice", os.getpriority(os.PRIO_PROCESS, replica), "engine threads", len(tasks))
     finally:
         srv.stop()
 
@@ -301,7 +311,6 @@ def _live_haproxy(state_dir: str) -> list[int]:
 def _haproxy_sessions(state_dir: str) -> dict[str, int]:
     """Sessions HAProxy has sent to each Serve ingress replica, from its admin socket."""
     import socket
-    from pathlib import Path
 
     sock_path = next(Path(state_dir).glob("**/admin.sock"))
     with socket.socket(socket.AF_UNIX) as sock:
