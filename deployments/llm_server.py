@@ -54,10 +54,11 @@ def set_niceness(nice: int) -> int | None:
 
     Ray starts its workers at nice 15 (`RAY_worker_niceness`) so that its daemons keep
     their CPU; an engine process inherits it from its replica, and then every step's
-    wake-ups and MLX's CPU threads queue behind any nice-0 process (on the 2-core CI
-    host this cost the shipped app a third of its throughput at 64 streams, and most
-    of its TTFT at one stream: bench/results/README.md). Lowering niceness needs
-    privileges (root, CAP_SYS_NICE); without them the engine stays where Ray put it."""
+    wake-ups and MLX's CPU threads queue behind any nice-0 process. On the 2-core CI
+    host, nice 0 gave the shipped app a lower TTFT at one stream (p50 105 vs 120 ms, in
+    each of three alternating rounds) and the same throughput under load
+    (bench/engine_nice_ab.py). Lowering niceness needs privileges (root, CAP_SYS_NICE);
+    without them the engine stays where Ray put it."""
     who = 0 if threading.current_thread() is threading.main_thread() else threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, who, nice)
