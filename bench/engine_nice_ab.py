@@ -12,8 +12,8 @@ whichever ran second. Writes `bench/results/engine_nice_<tag>.json`.
 """
 
 import argparse
-import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from bench import serve_bench as sb  # noqa: E402
+from bench.compare import Target, measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NICE = (15, 0)
@@ -63,26 +64,17 @@ def main(argv=None) -> None:
         (replica,) = replica_pids(apps[0]["name"])
         (engine,) = engine_pids(replica)
 
-        def measure(reqs, concurrency, rate, seed):
-            async def go():
-                backend = sb.HTTPBackend(run.urls[apps[0]["name"]], "default", extra)
-                try:
-                    return await sb.run(backend, reqs, rate or float("inf"), concurrency, seed, progress=False)
-                finally:
-                    await backend.aclose()
-            return asyncio.run(go())
-
-        measure(sb.random_workload(sb.TextSource(tok, 99), 16, args.input_len, 8, 0.5), 8, None, 0)   # warm-up
+        target = Target("ours", lambda: sb.HTTPBackend(run.urls[apps[0]["name"]], "default", extra))
+        measure(target, sb.random_workload(sb.TextSource(tok, 99), 16, args.input_len, 8, 0.5), concurrency=8)
         for r in range(args.rounds):
             for i, p in enumerate(points(args)):
                 for nice in (NICE if r % 2 == 0 else NICE[::-1]):
                     reqs = sb.random_workload(sb.TextSource(tok, 1000 * r + 10 * i + nice), p["n"],
                                               args.input_len, args.output_len, 0.5)
-                    subprocess.run(["renice", "-n", str(nice), "-p", str(engine)], check=True, capture_output=True)
-                    tids = os.listdir(f"/proc/{engine}/task") if Path("/proc").exists() else []
+                    tids = os.listdir(f"/proc/{engine}/task") if Path("/proc").exists() else [str(engine)]
                     for t in tids:   # renice -p moves one thread on Linux: move them all
-                        subprocess.run(["renice", "-n", str(nice), "-p", t], capture_output=True)
-                    s = measure(reqs, p["concurrency"], p["rate"], r)
+                        subprocess.run(["renice", "-n", str(nice), "-p", t], check=True, capture_output=True)
+                    s = measure(target, reqs, p["rate"] or math.inf, p["concurrency"], seed=r)
                     row = {"round": r, "point": p["name"], "engine_nice": nice, "concurrency": p["concurrency"],
                            "request_rate": p["rate"], "output_tok_s": s["output_throughput"],
                            "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p95_s": s["ttft_s"]["p95"],

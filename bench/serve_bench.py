@@ -200,6 +200,7 @@ class HTTPBackend:
             self._session = aiohttp.ClientSession(
                 headers=self.headers, timeout=aiohttp.ClientTimeout(total=600),
                 connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
+            self._stream_timeout = aiohttp.ClientTimeout(total=600, sock_read=self.stall_s)
         return self._session
 
     async def send(self, req: Request, messages: list[dict] | None) -> Result:
@@ -213,11 +214,9 @@ class HTTPBackend:
         t0 = time.perf_counter()
         if not self.stream:
             return await self._send_whole(path, body, res, t0)
-        import aiohttp
-
+        session = self._client()
         try:
-            async with self._client().post(self.base + path, json=body,
-                                           timeout=aiohttp.ClientTimeout(total=600, sock_read=self.stall_s)) as r:
+            async with session.post(self.base + path, json=body, timeout=self._stream_timeout) as r:
                 if r.status != 200:
                     res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return res

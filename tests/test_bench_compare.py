@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from bench import compare
+
+from .serving import exited, live_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,37 +35,7 @@ def test_headline_of_a_partial_bundle_leaves_out_what_it_cannot_compare():
     assert abs(h["apc_ttft_p50_speedup"] - 5.0) < 1e-9
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_sigterm_stops_the_servers_the_run_started(tmp_path):
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("reads process parents from /proc")
     run = subprocess.Popen(
         [sys.executable, "bench/compare.py", "--tag", "t", "--results-dir", str(tmp_path), "--systems",
          "mlx_lm.server", "--concurrency", "1", "--min-prompts", "500", "--workloads", "random",
@@ -75,21 +45,21 @@ def test_sigterm_stops_the_servers_the_run_started(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while server is None and time.monotonic() < deadline and run.poll() is None:
-            server = next((p for p in _children(run.pid) if b"mlx_lm.server" in _cmdline(p)), None)
+            server = next(iter(live_pids("-P", str(run.pid), "-f", "mlx_lm.server")), None)
             time.sleep(0.2)
         assert server is not None, "compare.py started no mlx_lm.server"
         time.sleep(2)
         run.send_signal(signal.SIGTERM)
         assert run.wait(60) != 0
-        deadline = time.monotonic() + 30
-        while _alive(server) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(server), "the server outlived the run that started it"
+        assert exited(server, 30), "the server outlived the run that started it"
     finally:
         if run.poll() is None:
             run.kill()
-        if server is not None and _alive(server):
-            os.kill(server, signal.SIGKILL)
+        if server is not None:
+            try:
+                os.kill(server, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_a_stream_that_stops_fails_as_stalled_instead_of_hanging():
