@@ -277,20 +277,33 @@ def _ms(x) -> str:
 
 
 def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random"})) -> None:
-    """A short pass over every sweep point, and over the prefix and multi-turn shapes
-    when they are planned, so one-off kernel compilation for each batch shape is not
-    timed (MLX's CUDA backend compiles on first use; a prompt whose prefix is cached runs
-    a new attention shape, a few new tokens over a long context). Its text is its own:
-    nothing it caches is hit later."""
+    """A short pass over the shapes each planned workload runs, so one-off kernel
+    compilation for each batch shape is not timed (MLX's CUDA backend compiles on first
+    use; a prompt whose prefix is cached runs a new attention shape, a few new tokens over
+    a long context). The prefix pass has the measured one's shape (as many families,
+    a cold wave then hits). Poisson arrivals never have more than `poisson_prompts`
+    requests in flight, so they warm no sweep point above that (mlx_lm.server stops
+    generating after a 256-stream burst). Its text is its own: nothing it caches is hit later."""
     a = wl.a
-    for c in a.concurrency:
+    for c in warm_sweep(plan, a):
         measure(target, sb.random_workload(wl.src(7 + c), c, a.input_len, 4, a.range_ratio), concurrency=c)
     if "prefix" in plan:
-        reqs = sb.prefix_workload(wl.src(9000), 3 * a.prefix_concurrency, a.prefix_len, 1, a.suffix_len, 4)
+        reqs = sb.prefix_workload(wl.src(9000), 2 * a.prefix_concurrency, a.prefix_len, a.num_prefixes,
+                                  a.suffix_len, a.prefix_output_len)
         measure(target, reqs, concurrency=a.prefix_concurrency)
     if "multi-turn" in plan:
         reqs = sb.multi_turn_workload(wl.src(9001), a.num_sessions, 2, a.turn_len, 4)
         measure(target, reqs, concurrency=a.num_sessions)
+
+
+def warm_sweep(plan: set[str], args) -> list[int]:
+    """The sweep points a warm-up runs: all for the sweep itself; for Poisson arrivals,
+    those it can reach (at most `poisson_prompts` in flight); none otherwise."""
+    if "random" in plan:
+        return list(args.concurrency)
+    if "poisson" in plan:
+        return [c for c in args.concurrency if c <= args.poisson_prompts]
+    return []
 
 
 class Workloads:
@@ -328,7 +341,11 @@ def _plan_of(workload: str) -> str:
 def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None) -> list[dict]:
     plan = plan & set(args.workloads)
     rows = []
+    if not plan:
+        return rows
+    t0 = time.perf_counter()
     warm_up(target, wl, plan)
+    print(f"   {target.name}: warm-up {time.perf_counter() - t0:.0f} s", flush=True)
     if "random" in plan:
         for c in args.concurrency:
             rows.append(to_row(target, "random", measure(target, wl.random(c), concurrency=c)))
@@ -451,6 +468,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
     systems = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("ours"), s))
@@ -463,7 +481,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         if g:
             ax[0, 0].plot(*zip(*g), marker="x", linestyle="--", label=s + " (gather attention)")
     ax[0, 0].set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title="Throughput vs concurrency")
-    ax[0, 0].legend(fontsize=8)
     for s in systems:
         r = pick(rows, s, "random-poisson")
         if r and r["ttfts_s"]:
@@ -471,23 +488,33 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax[0, 1].plot(t, np.arange(1, len(t) + 1) / len(t), label=s)
     ax[0, 1].set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests",
                  title="TTFT CDF, Poisson at 80 % of mlx_lm.server's peak")
-    ax[0, 1].legend(fontsize=8)
     for s, lab in (("ours-bare-engine", "paged (ours)"), ("mlx_lm.server", "dense (mlx-lm BatchGenerator)")):
         pts = sorted((r["concurrency"], r["kv_bytes_peak"] / 2**20) for r in rows
                      if r["system"] == s and r["workload"] == "kv-memory")
         if pts:
             ax[1, 0].plot(*zip(*pts), marker="o", label=lab)
     ax[1, 0].set(xscale="log", xlabel="concurrency", ylabel="peak KV MiB", title="KV memory vs concurrency")
-    ax[1, 0].legend(fontsize=8)
-    bars = [(f"{r['system']}\n{r['workload']}", r["ttft_p50_s"]) for r in rows
-            if r["workload"] in ("prefix", "multi-turn") and r["ttft_p50_s"] is not None]
+    bars = sorted((f"{r['system']}\n{r['workload']}", r["ttft_p50_s"]) for r in rows
+                  if r["workload"] in ("prefix", "multi-turn") and r["ttft_p50_s"] is not None)
     if bars:
         ax[1, 1].barh([b[0] for b in bars], [b[1] for b in bars])
         ax[1, 1].set(xscale="log", xlabel="TTFT p50 (s)", title="Prefix reuse: TTFT p50")
         ax[1, 1].tick_params(axis="y", labelsize=7)
+    for a in ax.flat:
+        a.xaxis.set_minor_formatter(NullFormatter())     # log-axis minor labels overlap
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def save(out: Path, rows: list[dict], meta: dict) -> None:
+    """Write the rows, each with the meta of the run that measured it: rows merged from
+    an earlier run keep theirs, and rows written before a run is cut short carry this one's."""
+    for r in rows:
+        r.setdefault("meta", meta)
+    out.write_text(json.dumps(rows, indent=1))
 
 
 def _portable(args: dict) -> dict:
@@ -567,6 +594,9 @@ def main(argv=None):
     if rate is None and mlx_lm_sweep(rows):
         rate = poisson_rate(rows, args.output_len)[0]
     host = {}
+    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
+            "mlx": mx.__version__, "args": _portable(vars(args)), "skipped": skipped,
+            "poisson_rate_req_s": rate, "host": host}
     for name in args.systems:
         t0 = time.perf_counter()
         n_before = len(rows)
@@ -626,7 +656,8 @@ def main(argv=None):
                 rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)
         for r in rows[n_before:]:
             r["source"] = name
-        out.write_text(json.dumps(rows, indent=1))       # a run cut short keeps what it measured
+        meta["poisson_rate_req_s"] = rate
+        save(out, rows, meta)                            # a run cut short keeps what it measured
         if len(rows) > n_before:
             host[name] = host_during(ticks0, speed0)
         probe = host.get(name, {})
@@ -637,16 +668,11 @@ def main(argv=None):
         rows = [r for r in rows if r["workload"] != "kv-memory"]
         rows += [{**r, "source": "kv-memory"} for r in kv_memory_rows(model, engine, args)]
 
-    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": _portable(vars(args)), "skipped": skipped,
-            "poisson_rate_req_s": rate, "host": host}
-    for r in rows:
-        r.setdefault("meta", meta)
     h = headline(rows, args)
     print("\nheadline:", json.dumps(h, indent=2))
     for k, v in skipped.items():
         print(f"skipped {k}: {v}")
-    out.write_text(json.dumps(rows, indent=1))
+    save(out, rows, meta)
     (results / f"compare_{args.tag}_headline.json").write_text(json.dumps({"headline": h, "meta": meta}, indent=2))
     try:
         plot(rows, results / f"compare_{args.tag}.png", f"{args.model} on {meta['device']} ({platform.machine()})")

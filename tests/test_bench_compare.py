@@ -1,4 +1,5 @@
-"""The comparison harness: a partial bundle still gets a headline, and a run stopped
+"""The comparison harness: a partial bundle still gets a headline, rows keep the meta of
+the run that measured them, warm-ups stay within what a run reaches, and a run stopped
 with SIGTERM stops the servers it started."""
 
 import os
@@ -33,6 +34,31 @@ def test_headline_of_a_partial_bundle_leaves_out_what_it_cannot_compare():
     assert "ttft_p50_ratio_at_80pct_rate" not in h              # mlx_lm.server's Poisson row failed
     assert abs(h["serve_overhead_throughput"] - 0.1) < 1e-9     # 256 streams, the only point both ran
     assert abs(h["apc_ttft_p50_speedup"] - 5.0) < 1e-9
+
+
+def test_warm_up_runs_only_the_sweep_points_its_workloads_reach():
+    """A Poisson-only run must not warm a 256-stream burst its arrivals never reach
+    (mlx_lm.server stops generating after one); prefix and multi-turn need no sweep."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(concurrency=[1, 8, 32, 64, 128, 256], poisson_prompts=96)
+    assert compare.warm_sweep({"random", "prefix"}, args) == [1, 8, 32, 64, 128, 256]
+    assert compare.warm_sweep({"poisson"}, args) == [1, 8, 32, 64]
+    assert compare.warm_sweep({"prefix", "multi-turn"}, args) == []
+
+
+def test_rows_keep_the_meta_of_the_run_that_measured_them(tmp_path):
+    """Rows written before a run is cut short carry its meta, so a later --merge run
+    does not stamp its own arguments on them."""
+    import json
+
+    out = tmp_path / "compare_t.json"
+    first = {"args": {"systems": ["ours"]}}
+    compare.save(out, [_row("ours", "prefix", 8, 400.0, 0.1)], first)      # then the run is killed
+    rows = json.loads(out.read_text()) + [_row("mlx_lm.server", "random-poisson", None, 50.0, 0.4, rate=1.0)]
+    compare.save(out, rows, {"args": {"systems": ["mlx_lm.server"]}})
+    saved = {r["system"]: r["meta"]["args"]["systems"] for r in json.loads(out.read_text())}
+    assert saved == {"ours": ["ours"], "mlx_lm.server": ["mlx_lm.server"]}
 
 
 def test_sigterm_stops_the_servers_the_run_started(tmp_path):
