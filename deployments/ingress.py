@@ -226,6 +226,7 @@ class OpenAIIngress:
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, api_key: str | None) -> Response:
+        t0 = time.monotonic()
         prompts = body.prompts()
         if body.stream and len(prompts) > 1:
             raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
@@ -242,7 +243,7 @@ class OpenAIIngress:
             p, ids, params = jobs[0]
             first, gen = await self._stream(ids, params, body, salt)
             echo = self._prompt_text(p) if body.echo else None
-            return _sse(self._completion_events(rid, created, body, first, gen, echo))
+            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0))
         started = []
         try:
             for _, ids, params in jobs:
@@ -251,7 +252,7 @@ class OpenAIIngress:
             for _, gen in started:
                 gen.cancel()
             raise
-        finals = await asyncio.gather(*(self._drain(first, gen) for first, gen in started))
+        finals = await asyncio.gather(*(self._drain(first, gen, t0) for first, gen in started))
         choices, usage = [], _Usage()
         for j, ((p, ids, _), out) in enumerate(zip(jobs, finals)):
             usage.add(out)
@@ -263,7 +264,7 @@ class OpenAIIngress:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": self.model_name, "choices": choices, "usage": usage.body()})
 
-    def _completion_events(self, rid, created, body, first, gen, echo):
+    def _completion_events(self, rid, created, body, first, gen, echo, t0: float):
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
                    for i in range(body.n)] if echo else []
@@ -276,10 +277,11 @@ class OpenAIIngress:
             return {"index": o.index, "text": o.delta_text, "logprobs": lp,
                     "finish_reason": o.finish_reason}
 
-        return self._events(first, gen, body, base, opening, choice)
+        return self._events(first, gen, body, base, opening, choice, t0)
 
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, api_key: str | None) -> Response:
+        t0 = time.monotonic()
         try:
             k = body.logprobs_k()
         except ValueError as e:
@@ -294,8 +296,8 @@ class OpenAIIngress:
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(self._chat_events(rid, created, body, first, gen))
-        out = await self._drain(first, gen)
+            return _sse(self._chat_events(rid, created, body, first, gen, t0))
+        out = await self._drain(first, gen, t0)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
                     "finish_reason": o.finish_reason} for o in out.outputs]
@@ -303,7 +305,7 @@ class OpenAIIngress:
                              "model": self.model_name, "choices": choices,
                              "usage": _Usage().add(out).body()})
 
-    def _chat_events(self, rid, created, body, first, gen):
+    def _chat_events(self, rid, created, body, first, gen, t0: float):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(body.n)]
@@ -314,12 +316,13 @@ class OpenAIIngress:
                     "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": o.finish_reason}
 
-        return self._events(first, gen, body, base, opening, choice)
+        return self._events(first, gen, body, base, opening, choice, t0)
 
-    async def _events(self, first, gen, body, base: dict, opening: list[dict], choice):
+    async def _events(self, first, gen, body, base: dict, opening: list[dict], choice, t0: float):
         """The SSE chunks of either endpoint: the `opening` choices, then one chunk per
-        completion with something new (`choice` shapes it), then usage if asked for."""
-        timer = RequestTimer(self.metrics)
+        completion with something new (`choice` shapes it), then usage if asked for.
+        `t0`: when the request arrived, where its latency metrics start."""
+        timer = RequestTimer(self.metrics, t0)
         for c in opening:
             yield {**base, "choices": [c]}
         last = None
@@ -333,9 +336,9 @@ class OpenAIIngress:
         if body.stream_options and body.stream_options.include_usage:
             yield {**base, "choices": [], "usage": _Usage().add(last).body()}
 
-    async def _drain(self, first, gen):
+    async def _drain(self, first, gen, t0: float):
         """Collect a non-streamed request; returns its final output."""
-        timer, last = RequestTimer(self.metrics), None
+        timer, last = RequestTimer(self.metrics, t0), None
         async for out in self._chain(first, gen):
             timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
             last = out

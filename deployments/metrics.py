@@ -107,11 +107,13 @@ class Metrics:
 
 
 class RequestTimer:
-    """Observes TTFT, inter-token latency and e2e for one request."""
+    """Observes TTFT, inter-token latency and e2e for one request, from `start`: when the
+    request arrived (the first output is awaited before the response starts, so a timer
+    started then would leave the prefill out)."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, start: float):
         self.m = metrics
-        self.start = self.last = time.monotonic()
+        self.start = self.last = start
         self.first = None
 
     def tokens(self, n: int) -> None:
@@ -120,7 +122,7 @@ class RequestTimer:
         now = time.monotonic()
         name = self.m.model_name
         if self.first is None:
-            self.first = now
+            self.first = self.last = now
             self.m.ttft.labels(name).observe(now - self.start)
             n -= 1
         if n > 0:

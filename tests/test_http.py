@@ -251,9 +251,24 @@ def test_disconnect_mid_stream_frees_blocks(server, front):
 
 def test_metrics_after_traffic(server, front, client):
     prompt = "The river ran quietly past the old mill, and the miller's daughter counted the boats " * 2
-    for _ in range(2):
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    before = httpx.get(server.urls[front] + "/metrics").text
+    took = []
+    for stream in (False, True):
+        t0 = time.monotonic()
+        out = client.completions.create(model=MODEL, prompt=prompt + str(stream), max_tokens=4, temperature=0,
+                                        stream=stream)
+        if stream:
+            list(out)
+        took.append(time.monotonic() - t0)
     text = httpx.get(server.urls[front] + "/metrics").text
+
+    def mean(name):
+        n = metric(text, name + "_count") - (metric(before, name + "_count") or 0)
+        return (metric(text, name + "_sum") - (metric(before, name + "_sum") or 0)) / n
+    # Latencies run from the request's arrival: TTFT holds the prefill (a timer started
+    # at the first output read about 10 microseconds), and no more than the client saw.
+    ttft, e2e = mean("time_to_first_token_seconds"), mean("e2e_request_latency_seconds")
+    assert 1e-3 < ttft <= e2e <= max(took)
     assert metric(text, "time_to_first_token_seconds_count") > 0
     assert metric(text, "e2e_request_latency_seconds_count") > 0
     assert metric(text, "inter_token_latency_seconds_count") > 0
