@@ -63,11 +63,11 @@ def paired(rows: list[dict], point: str, a: str, b: str, key: str, op) -> float 
 
 
 def summarize(rows: list[dict], systems: list[str]) -> dict:
-    out = {}
+    out, ok = {}, [x for x in rows if not x["failed"]]
     for p in dict.fromkeys(x["point"] for x in rows):
-        s = {name: {k: statistics.median(x[k] for x in rows if x["point"] == p and x["system"] == name)
+        s = {name: {k: statistics.median(x[k] for x in ok if x["point"] == p and x["system"] == name)
                     for k in ("output_tok_s", "ttft_p50_s", "tpot_p50_s")}
-             for name in systems if any(x["point"] == p and x["system"] == name for x in rows)}
+             for name in systems if any(x["point"] == p and x["system"] == name for x in ok)}
         if ANCHOR in systems and "ours" in systems:
             s["ttft_p50_ratio_ours_over_mlx_lm"] = paired(rows, p, "ours", ANCHOR, "ttft_p50_s", lambda a, b: a / b)
         if "ours-bare-engine" in systems and "ours" in systems:

@@ -117,3 +117,21 @@ def test_a_stream_that_stops_fails_as_stalled_instead_of_hanging():
 
     res = asyncio.run(go())
     assert not res.ok and res.error == "stalled: no bytes for 1 s after the first token"
+
+
+def test_rounds_ratios_are_taken_within_a_round():
+    """A host that slows down for one whole round moves every system in it; the ratio
+    within each round stays, and a failed measurement leaves its round out."""
+    from bench import rounds
+
+    def row(r, system, ttft, tok_s=100.0, failed=0):
+        return {"round": r, "point": "4 streams", "system": system, "ttft_p50_s": ttft,
+                "tpot_p50_s": 0.01, "output_tok_s": tok_s, "failed": failed}
+    rows = [row(0, "mlx_lm.server", 0.4), row(0, "ours", 0.2, 90.0), row(0, "ours-bare-engine", 0.1),
+            row(1, "mlx_lm.server", 1.2), row(1, "ours", 0.6, 45.0), row(1, "ours-bare-engine", 0.3, 50.0),
+            row(2, "mlx_lm.server", 0.4), row(2, "ours", 0.4, failed=3), row(2, "ours-bare-engine", 0.1)]
+    s = rounds.summarize(rows, ["mlx_lm.server", "ours", "ours-bare-engine"])["4 streams"]
+    assert s["ttft_p50_ratio_ours_over_mlx_lm"] == 0.5
+    assert abs(s["serve_throughput_cost"] - 0.1) < 1e-9
+    assert abs(s["serve_ttft_p50_added_s"] - 0.2) < 1e-9     # median of 0.1 and 0.3
+    assert s["ours"]["ttft_p50_s"] == 0.4                     # rounds 0 and 1 only
