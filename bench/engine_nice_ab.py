@@ -1,14 +1,16 @@
-"""The engine's niceness under Ray, side by side on one `serve run`.
+"""Niceness under Ray, side by side on one `serve run`.
 
-Ray starts its workers at nice 15 and the replica's engine process inherits it;
-`LLMServer` moves the engine back to `engine_nice` (0). This runs the shipped app once
-and alternates its engine process between nice 15 (Ray's) and nice 0 with `renice`
+Ray starts its workers at nice 15, and the replica and its engine process ran there;
+`LLMServer` moves both back to `engine_nice` (0). This runs the shipped app once and
+alternates one of them (`--target engine`: the engine process; `--target replica`: the
+replica's process, its engine staying at 0) between nice 15 and nice 0 with `renice`
 (root, or CAP_SYS_NICE, to go back to 0), round after round, the order swapped each
 round, so a host whose speed drifts moves both alike. Every measurement draws its own
 prompts from the same distribution: repeated prompts would be prefix-cache hits for
-whichever ran second. Writes `bench/results/engine_nice_<tag>.json`.
+whichever ran second. Writes `bench/results/<target>_nice_<tag>.json`.
 
-    python bench/engine_nice_ab.py --rounds 3   # 2-core CPU host: about 12 minutes
+    python bench/engine_nice_ab.py --rounds 3                              # about 12 minutes
+    python bench/engine_nice_ab.py --rounds 3 --target replica --streams 4  # about 5 minutes
 """
 
 import argparse
@@ -48,6 +50,7 @@ def main(argv=None) -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--target", choices=["engine", "replica"], default="engine")
     args = ap.parse_args(argv)
 
     from mlx_lm.utils import load_tokenizer
@@ -71,11 +74,12 @@ def main(argv=None) -> None:
                 for nice in (NICE if r % 2 == 0 else NICE[::-1]):
                     reqs = sb.random_workload(sb.TextSource(tok, 1000 * r + 10 * i + nice), p["n"],
                                               args.input_len, args.output_len, 0.5)
-                    tids = os.listdir(f"/proc/{engine}/task") if Path("/proc").exists() else [str(engine)]
+                    pid = engine if args.target == "engine" else replica
+                    tids = os.listdir(f"/proc/{pid}/task") if Path("/proc").exists() else [str(pid)]
                     for t in tids:   # renice -p moves one thread on Linux: move them all
                         subprocess.run(["renice", "-n", str(nice), "-p", t], check=True, capture_output=True)
                     s = measure(target, reqs, p["rate"] or math.inf, p["concurrency"], seed=r)
-                    row = {"round": r, "point": p["name"], "engine_nice": nice, "concurrency": p["concurrency"],
+                    row = {"round": r, "point": p["name"], f"{args.target}_nice": nice, "concurrency": p["concurrency"],
                            "request_rate": p["rate"], "output_tok_s": s["output_throughput"],
                            "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p95_s": s["ttft_s"]["p95"],
                            "tpot_p50_s": s["tpot_s"]["p50"], "completed": s["completed"], "failed": s["failed"],
@@ -91,14 +95,14 @@ def main(argv=None) -> None:
     summary = {}
     for p in points(args):
         for nice in NICE:
-            mine = [x for x in rows if x["point"] == p["name"] and x["engine_nice"] == nice]
+            mine = [x for x in rows if x["point"] == p["name"] and x[f"{args.target}_nice"] == nice]
             summary[f"{p['name']}, nice {nice}"] = {
                 k: statistics.median(x[k] for x in mine) for k in ("output_tok_s", "ttft_p50_s", "tpot_p50_s")}
     print("\nmedian over rounds:")
     for k, v in summary.items():
         print(f"  {k:>20}: {v['output_tok_s']:6.1f} tok/s  TTFT p50 {v['ttft_p50_s'] * 1e3:7.1f} ms  "
               f"TPOT p50 {v['tpot_p50_s'] * 1e3:6.1f} ms")
-    out = ROOT / "bench" / "results" / f"engine_nice_{args.tag}.json"
+    out = ROOT / "bench" / "results" / f"{args.target}_nice_{args.tag}.json"
     out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "summary": summary, "rows": rows},
                               indent=1))
     print(f"wrote {out}")

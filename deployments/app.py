@@ -75,9 +75,10 @@ class AppArgs(BaseModel):
                           "per-message work in the replica and the engine's host work of a step "
                           "do not take turns on one GIL; false runs it on a thread of the replica")
     engine_nice: Optional[int] = Field(
-        0, ge=-20, le=19, description="niceness of each LLMServer's engine (and MLX's threads): "
-                                      "Ray starts its workers at 15, where the engine waits "
-                                      "behind every nice-0 process for CPU; lowering it needs "
+        0, ge=-20, le=19, description="niceness of each LLMServer replica's process and its "
+                                      "engine (MLX's threads too): Ray starts its workers at 15, "
+                                      "where they wait behind every nice-0 process for CPU; "
+                                      "lowering it needs "
                                       "privileges (else a warning, and RAY_worker_niceness=0 "
                                       "before `ray start` does it); null leaves Ray's")
     pin_cpus: Optional[int] = Field(

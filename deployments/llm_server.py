@@ -15,6 +15,7 @@ import threading
 import uuid
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 from runtime import AsyncEngine, EngineConfig, SamplingParams
 from runtime.errors import EngineDeadError, EngineStepError, InvalidRequestError, PromptTooLongError
@@ -70,6 +71,33 @@ def set_niceness(nice: int) -> int | None:
         return None
 
 
+def renice_process(nice: int) -> int | None:
+    """`set_niceness` for every thread this process has (Ray's gRPC and event-loop
+    threads among them; threads started later inherit it from their starter), and the
+    niceness the calling thread then runs at.
+
+    The replica's own threads carry each request to the engine and its tokens back: at
+    Ray's nice 15, beside a nice-0 engine that keeps a core busy, they waited for CPU.
+    On the 2-core CI host, the replica at nice 0 cut TTFT p50 at 4 streams from 179-219
+    to 149-161 ms in each of three alternating rounds."""
+    tasks = Path("/proc/self/task")
+    for tid in ([int(t) for t in os.listdir(tasks)] if tasks.exists() else [0]):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass   # no privilege to lower it, or the thread has gone
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:
+        return None
+
+
+def _warn_nice(what: str, rank: int, got: int | None, nice: int) -> None:
+    if got is not None and got != nice:
+        log.warning("LLMServer rank %d: the %s runs at nice %d, not %d (lowering it needs privileges; "
+                    "RAY_worker_niceness=0 before `ray start` or `serve run` avoids it)", rank, what, got, nice)
+
+
 def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
     return {(rank * per_replica + i) % num_cpus for i in range(per_replica)}
 
@@ -77,11 +105,7 @@ def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
 def _engine_on_start(rank: int, nice: int | None, cpus: set[int] | None) -> None:
     """Runs where the engine loop runs, before the model loads."""
     if nice is not None:
-        got = set_niceness(nice)
-        if got is not None and got != nice:
-            log.warning("LLMServer rank %d: the engine runs at nice %d, not %d (lowering it needs "
-                        "privileges; RAY_worker_niceness=0 before `ray start` or `serve run` avoids it)",
-                        rank, got, nice)
+        _warn_nice("engine", rank, set_niceness(nice), nice)
     if cpus:
         log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus), pin_current_thread(cpus))
 
@@ -98,6 +122,8 @@ class LLMServer:
             rank = getattr(ctx.rank, "rank", 0)
         except Exception:
             self.replica_id = uuid.uuid4().hex[:8]
+        if engine_nice is not None:
+            _warn_nice("replica", rank, renice_process(engine_nice), engine_nice)
         cpus = rank_cpus(rank, pin_cpus, os.cpu_count() or 1) if pin_cpus else None
         self.engine = AsyncEngine(EngineConfig(**engine_config), process=engine_process,
                                   on_start=partial(_engine_on_start, rank, engine_nice, cpus))

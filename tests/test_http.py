@@ -308,13 +308,13 @@ def test_shipped_config_serves_the_default_model():
                                       max_tokens=8)
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
         if Path("/proc/self/task").exists() and os.geteuid() == 0:
-            # Ray runs the replica at nice 15; its engine process, every thread of it
-            # (MLX's too), is back at nice 0 (`engine_nice: 0`, the default).
+            # Ray starts the replica at nice 15; the replica and its engine process, every
+            # thread of both (Ray's and MLX's too), are back at nice 0 (`engine_nice: 0`).
             (replica,) = replica_pids("llm")
             (engine,) = engine_pids(replica)
-            tasks = os.listdir(f"/proc/{engine}/task")
-            assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks} == {0}, tasks
-            print("replica nice", os.getpriority(os.PRIO_PROCESS, replica), "engine threads", len(tasks))
+            for pid in (replica, engine):
+                tasks = os.listdir(f"/proc/{pid}/task")
+                assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks} == {0}, (pid, tasks)
     finally:
         srv.stop()
 
