@@ -78,9 +78,9 @@ class AppArgs(BaseModel):
         0, ge=-20, le=19, description="niceness of each LLMServer replica's process and its "
                                       "engine (MLX's threads too): Ray starts its workers at 15, "
                                       "where they wait behind every nice-0 process for CPU; "
-                                      "lowering it needs "
-                                      "privileges (else a warning, and RAY_worker_niceness=0 "
-                                      "before `ray start` does it); null leaves Ray's")
+                                      "lowering it needs privileges (else a warning, and "
+                                      "RAY_worker_niceness=0 before `ray start` does it); "
+                                      "null leaves Ray's")
     pin_cpus: Optional[int] = Field(
         None, ge=1, description="pin each LLMServer's engine (and MLX's threads) to this "
                                 "many CPUs, replica rank r taking CPUs [r * n, (r + 1) * n) modulo "
