@@ -3,7 +3,7 @@
 Ray starts its workers at nice 15, and the replica and its engine process ran there;
 `LLMServer` moves both back to `engine_nice` (0). This runs the shipped app once and
 alternates one of them (`--target engine`: the engine process; `--target replica`: the
-replica's process, its engine staying at 0) between nice 15 and nice 0 with `renice`
+replica's process, its engine staying at 0) between nice 15 and nice 0, every thread of it
 (root, or CAP_SYS_NICE, to go back to 0), round after round, the order swapped each
 round, so a host whose speed drifts moves both alike. Every measurement draws its own
 prompts from the same distribution: repeated prompts would be prefix-cache hits for
@@ -18,7 +18,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import yaml  # noqa: E402
 
 from bench import serve_bench as sb  # noqa: E402
 from bench.compare import Target, measure  # noqa: E402
+from deployments.llm_server import renice_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NICE = (15, 0)
@@ -75,9 +75,8 @@ def main(argv=None) -> None:
                     reqs = sb.random_workload(sb.TextSource(tok, 1000 * r + 10 * i + nice), p["n"],
                                               args.input_len, args.output_len, 0.5)
                     pid = engine if args.target == "engine" else replica
-                    tids = os.listdir(f"/proc/{pid}/task") if Path("/proc").exists() else [str(pid)]
-                    for t in tids:   # renice -p moves one thread on Linux: move them all
-                        subprocess.run(["renice", "-n", str(nice), "-p", t], check=True, capture_output=True)
+                    if renice_process(nice, pid) != nice:
+                        raise SystemExit(f"could not renice {args.target} {pid} to {nice} (needs root)")
                     s = measure(target, reqs, p["rate"] or math.inf, p["concurrency"], seed=r)
                     row = {"round": r, "point": p["name"], f"{args.target}_nice": nice, "concurrency": p["concurrency"],
                            "request_rate": p["rate"], "output_tok_s": s["output_throughput"],

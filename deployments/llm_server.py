@@ -11,7 +11,6 @@ import itertools
 import logging
 import math
 import os
-import threading
 import uuid
 from dataclasses import replace
 from functools import partial
@@ -49,65 +48,39 @@ def pin_current_thread(cpus: set[int]) -> bool:
     return True
 
 
-def set_niceness(nice: int) -> int | None:
-    """Set the calling thread, and the threads it starts (MLX's among them), to `nice`
-    where the OS allows, and give the niceness it runs at (None where it cannot be read).
+def renice_process(nice: int, pid: int | None = None) -> int | None:
+    """Every thread of process `pid` (this one when None: Ray's gRPC and event-loop
+    threads among them; threads started later inherit it from their starter) to `nice`
+    where the OS allows, and the niceness that process then runs at (None where it
+    cannot be read). On Linux niceness is per thread, so each one is set.
 
     Ray starts its workers at nice 15 (`RAY_worker_niceness`) so that its daemons keep
-    their CPU; an engine process inherits it from its replica, and then every step's
-    wake-ups and MLX's CPU threads queue behind any nice-0 process. On the 2-core CI
-    host, nice 0 gave the shipped app a lower TTFT at one stream (p50 105 vs 120 ms, in
-    each of three alternating rounds) and the same throughput under load
-    (bench/engine_nice_ab.py). Lowering niceness needs privileges (root, CAP_SYS_NICE);
-    without them the engine stays where Ray put it."""
-    who = 0 if threading.current_thread() is threading.main_thread() else threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, who, nice)
-    except OSError:
-        pass   # no privilege to lower it, or no per-thread niceness (macOS threads)
-    try:
-        return os.getpriority(os.PRIO_PROCESS, who)
-    except OSError:
-        return None
-
-
-def renice_process(nice: int) -> int | None:
-    """`set_niceness` for every thread this process has (Ray's gRPC and event-loop
-    threads among them; threads started later inherit it from their starter), and the
-    niceness the calling thread then runs at.
-
-    The replica's own threads carry each request to the engine and its tokens back: at
-    Ray's nice 15, beside a nice-0 engine that keeps a core busy, they waited for CPU.
-    On the 2-core CI host, the replica at nice 0 cut TTFT p50 at 4 streams from 179-219
-    to 149-161 ms in each of three alternating rounds."""
-    tasks = Path("/proc/self/task")
-    for tid in ([int(t) for t in os.listdir(tasks)] if tasks.exists() else [0]):
+    their CPU. A replica there, and the engine it starts (its process or thread inherits
+    the niceness), queue behind any nice-0 process: the engine's steps and MLX's CPU
+    threads, and the replica's threads that carry each request to the engine and its
+    tokens back. On the 2-core CI host, nice 0 for the engine cut TTFT p50 at one stream
+    from 120 to 105 ms, and then for the replica too from 115 to 89 ms, at 4 streams from
+    261 to 156 ms (bench/engine_nice_ab.py, alternating rounds). Lowering niceness needs
+    privileges (root, CAP_SYS_NICE); without them both stay where Ray put them."""
+    tasks = Path(f"/proc/{pid or 'self'}/task")
+    for tid in ([int(t) for t in os.listdir(tasks)] if tasks.exists() else [pid or 0]):
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:
             pass   # no privilege to lower it, or the thread has gone
     try:
-        return os.getpriority(os.PRIO_PROCESS, 0)
+        return os.getpriority(os.PRIO_PROCESS, pid or 0)
     except OSError:
         return None
-
-
-def _warn_nice(what: str, rank: int, got: int | None, nice: int) -> None:
-    if got is not None and got != nice:
-        log.warning("LLMServer rank %d: the %s runs at nice %d, not %d (lowering it needs privileges; "
-                    "RAY_worker_niceness=0 before `ray start` or `serve run` avoids it)", rank, what, got, nice)
 
 
 def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
     return {(rank * per_replica + i) % num_cpus for i in range(per_replica)}
 
 
-def _engine_on_start(rank: int, nice: int | None, cpus: set[int] | None) -> None:
+def _pin_engine_thread(rank: int, cpus: set[int]) -> None:
     """Runs where the engine loop runs, before the model loads."""
-    if nice is not None:
-        _warn_nice("engine", rank, set_niceness(nice), nice)
-    if cpus:
-        log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus), pin_current_thread(cpus))
+    log.info("LLMServer rank %d: engine pinned to CPUs %s: %s", rank, sorted(cpus), pin_current_thread(cpus))
 
 
 class LLMServer:
@@ -122,11 +95,16 @@ class LLMServer:
             rank = getattr(ctx.rank, "rank", 0)
         except Exception:
             self.replica_id = uuid.uuid4().hex[:8]
-        if engine_nice is not None:
-            _warn_nice("replica", rank, renice_process(engine_nice), engine_nice)
-        cpus = rank_cpus(rank, pin_cpus, os.cpu_count() or 1) if pin_cpus else None
-        self.engine = AsyncEngine(EngineConfig(**engine_config), process=engine_process,
-                                  on_start=partial(_engine_on_start, rank, engine_nice, cpus))
+        if engine_nice is not None:   # before the engine starts: it inherits the niceness
+            got = renice_process(engine_nice)
+            if got is not None and got != engine_nice:
+                log.warning("LLMServer rank %d: the replica and its engine run at nice %d, not %d "
+                            "(lowering it needs privileges; RAY_worker_niceness=0 before `ray start` "
+                            "or `serve run` avoids it)", rank, got, engine_nice)
+        on_start = None
+        if pin_cpus:
+            on_start = partial(_pin_engine_thread, rank, rank_cpus(rank, pin_cpus, os.cpu_count() or 1))
+        self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start, process=engine_process)
         self.stream_interval_s = stream_interval_s
         self.max_stream_chunks_per_s = max_stream_chunks_per_s
         self._ids = itertools.count()
