@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,34 +339,36 @@ def _plan_of(workload: str) -> str:
     return {"random-poisson": "poisson"}.get(workload, "random" if workload.startswith("random") else workload)
 
 
-def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None) -> list[dict]:
+def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None,
+               keep: Callable[[dict], None]) -> None:
+    """Runs `plan`'s workloads (those asked for) on `target`, handing each row to `keep`
+    as soon as it is measured."""
     plan = plan & set(args.workloads)
-    rows = []
     if not plan:
-        return rows
+        return
     t0 = time.perf_counter()
     warm_up(target, wl, plan)
     print(f"   {target.name}: warm-up {time.perf_counter() - t0:.0f} s", flush=True)
     if "random" in plan:
         for c in args.concurrency:
-            rows.append(to_row(target, "random", measure(target, wl.random(c), concurrency=c)))
+            keep(to_row(target, "random", measure(target, wl.random(c), concurrency=c)))
     if "poisson" in plan and rate:
-        rows.append(to_row(target, "random-poisson", measure(target, wl.poisson(), rate=rate, seed=1)))
+        keep(to_row(target, "random-poisson", measure(target, wl.poisson(), rate=rate, seed=1)))
     if "prefix" in plan:
-        rows.append(to_row(target, "prefix", measure(target, wl.prefix(), concurrency=args.prefix_concurrency),
-                           prefix_len=args.prefix_len, num_prefixes=args.num_prefixes))
+        keep(to_row(target, "prefix", measure(target, wl.prefix(), concurrency=args.prefix_concurrency),
+                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes))
     if "multi-turn" in plan:
-        rows.append(to_row(target, "multi-turn", measure(target, wl.multi_turn(), concurrency=args.num_sessions),
-                           sessions=args.num_sessions, turns=args.turns))
-    return rows
+        keep(to_row(target, "multi-turn", measure(target, wl.multi_turn(), concurrency=args.num_sessions),
+                    sessions=args.num_sessions, turns=args.turns))
 
 
-def variant_sweep(target: Target, wl: Workloads, args, label: str, **setting) -> list[dict]:
+def variant_sweep(target: Target, wl: Workloads, args, label: str, keep: Callable[[dict], None],
+                  **setting) -> None:
     """The concurrency sweep of our app run with one setting changed: rows of workload
     `random (label)`, the setting recorded in each row."""
     warm_up(target, wl)
-    return [to_row(target, f"random ({label})", measure(target, wl.random(c), concurrency=c), **setting)
-            for c in args.concurrency]
+    for c in args.concurrency:
+        keep(to_row(target, f"random ({label})", measure(target, wl.random(c), concurrency=c), **setting))
 
 
 def mlx_lm_sweep(rows: list[dict]) -> list[dict]:
@@ -597,67 +600,72 @@ def main(argv=None):
     meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
             "mlx": mx.__version__, "args": _portable(vars(args)), "skipped": skipped,
             "poisson_rate_req_s": rate, "host": host}
+
+    def keep(row: dict) -> None:
+        """Each point is written as soon as it is measured: a run cut short (a time
+        limit's SIGTERM) keeps every point it finished."""
+        rows.append({**row, "source": name})
+        save(out, rows, meta)
+
     for name in args.systems:
         t0 = time.perf_counter()
         n_before = len(rows)
         ticks0, speed0 = cpu_ticks(), host_speed()
         if name == "mlx_lm.server":
             with mlx_lm_server(model, top, extra) as t:
-                rows += run_system(t, wl, args, {"random", "prefix", "multi-turn"}, None)
+                run_system(t, wl, args, {"random", "prefix", "multi-turn"}, None, keep)
                 if not rate and mlx_lm_sweep(rows):
                     rate = poisson_rate(rows, args.output_len)[0]
                 if rate:
-                    rows += run_system(t, wl, args, {"poisson"}, rate)
+                    run_system(t, wl, args, {"poisson"}, rate, keep)
         elif name == "ours":
             with ours(model, engine, "ours", extra) as t:
-                rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
+                run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate, keep)
         elif name == "ours-bare-engine":
             with bare_engine(model, engine, extra) as t:
-                rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
+                run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate, keep)
         elif name == "ours-no-apc":
             with ours(model, {**engine, "enable_prefix_caching": False}, "ours-no-apc", extra) as t:
-                rows += run_system(t, wl, args, {"prefix", "multi-turn"}, rate)
+                run_system(t, wl, args, {"prefix", "multi-turn"}, rate, keep)
         elif name == "vllm-mlx":
             if vllm_exe is None:
                 skipped[name] = why
                 continue
             with vllm_mlx_server(vllm_exe, model, top, extra) as t:
-                rows += run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate)
+                run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate, keep)
         elif name == "ours-gather":
             if not cuda:
                 skipped[name] = "no attention kernel on this device: 'auto' already runs gather here"
                 continue
             with ours(model, {**engine, "attention_backend": "gather"}, "ours", extra) as t:
-                rows += variant_sweep(t, wl, args, "attention=gather", attention_backend="gather")
+                variant_sweep(t, wl, args, "attention=gather", keep, attention_backend="gather")
         elif name == "ours-direct-ingress":
             with ours(model, engine, "ours", extra, front="direct") as t:
-                rows += variant_sweep(t, wl, args, "direct ingress", direct_ingress=True)
+                variant_sweep(t, wl, args, "direct ingress", keep, direct_ingress=True)
         elif name == "ours-haproxy":
             with ours(model, engine, "ours", extra, front="haproxy") as t:
-                rows += variant_sweep(t, wl, args, "HAProxy", front="haproxy")
+                variant_sweep(t, wl, args, "HAProxy", keep, front="haproxy")
         elif name in ("ours-2-ingress", "ours-haproxy-2-ingress"):
             front = "haproxy" if name.startswith("ours-haproxy") else "proxy"
             ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
             with ours(model, engine, "ours", extra, front=front, colocate=False, ingress=ingress) as t:
                 label = "HAProxy, 2 ingress replicas" if front == "haproxy" else "2 ingress replicas"
-                rows += variant_sweep(t, wl, args, label, front=front, ingress_replicas=2)
+                variant_sweep(t, wl, args, label, keep, front=front, ingress_replicas=2)
         elif name == "ours-split":
             with ours(model, engine, "ours", extra, colocate=False) as t:
-                rows += variant_sweep(t, wl, args, "ingress and LLMServer apart", colocate=False)
+                variant_sweep(t, wl, args, "ingress and LLMServer apart", keep, colocate=False)
         elif name.startswith("ours-chunks-"):
             cap = float(name.removeprefix("ours-chunks-"))
             with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:
-                rows += variant_sweep(t, wl, args, f"{cap:g} chunks/s", max_stream_chunks_per_s=cap)
+                variant_sweep(t, wl, args, f"{cap:g} chunks/s", keep, max_stream_chunks_per_s=cap)
         elif name == "ours-ray-nice":
             with ours(model, engine, "ours", extra, engine_nice=None) as t:
-                rows += variant_sweep(t, wl, args, "engine at Ray's nice 15", engine_nice=None)
+                variant_sweep(t, wl, args, "engine at Ray's nice 15", keep, engine_nice=None)
         elif name == "ours-engine-thread":
             with ours(model, engine, "ours", extra, engine_process=False) as t:
-                rows += variant_sweep(t, wl, args, "engine on a thread", engine_process=False)
-        for r in rows[n_before:]:
-            r["source"] = name
+                variant_sweep(t, wl, args, "engine on a thread", keep, engine_process=False)
         meta["poisson_rate_req_s"] = rate
-        save(out, rows, meta)                            # a run cut short keeps what it measured
+        save(out, rows, meta)
         if len(rows) > n_before:
             host[name] = host_during(ticks0, speed0)
         probe = host.get(name, {})

@@ -2,6 +2,7 @@
 the run that measured them, warm-ups stay within what a run reaches, and a run stopped
 with SIGTERM stops the servers it started."""
 
+import json
 import os
 import signal
 import subprocess
@@ -50,7 +51,6 @@ def test_warm_up_runs_only_the_sweep_points_its_workloads_reach():
 def test_rows_keep_the_meta_of_the_run_that_measured_them(tmp_path):
     """Rows written before a run is cut short carry its meta, so a later --merge run
     does not stamp its own arguments on them."""
-    import json
 
     out = tmp_path / "compare_t.json"
     first = {"args": {"systems": ["ours"]}}
@@ -61,23 +61,29 @@ def test_rows_keep_the_meta_of_the_run_that_measured_them(tmp_path):
     assert saved == {"ours": ["ours"], "mlx_lm.server": ["mlx_lm.server"]}
 
 
-def test_sigterm_stops_the_servers_the_run_started(tmp_path):
+def test_a_run_cut_short_keeps_its_points_and_stops_its_servers(tmp_path):
+    """SIGTERM (a time limit) mid-run: every sweep point measured so far is in the JSON,
+    and the server the run started is gone."""
+    out = tmp_path / "compare_t.json"
     run = subprocess.Popen(
         [sys.executable, "bench/compare.py", "--tag", "t", "--results-dir", str(tmp_path), "--systems",
-         "mlx_lm.server", "--concurrency", "1", "--min-prompts", "500", "--workloads", "random",
-         "--no-kv-memory"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+         "mlx_lm.server", "--concurrency", "1", "32", "--min-prompts", "2", "--prompts-per-stream", "16",
+         "--input-len", "8", "--output-len", "32", "--workloads", "random", "--no-kv-memory"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
     server = None
     try:
-        deadline = time.monotonic() + 120
-        while server is None and time.monotonic() < deadline and run.poll() is None:
-            server = next(iter(live_pids("-P", str(run.pid), "-f", "mlx_lm.server")), None)
+        deadline = time.monotonic() + 240
+        while not out.exists() and time.monotonic() < deadline and run.poll() is None:
+            server = server or next(iter(live_pids("-P", str(run.pid), "-f", "mlx_lm.server")), None)
             time.sleep(0.2)
         assert server is not None, "compare.py started no mlx_lm.server"
-        time.sleep(2)
+        assert out.exists() and run.poll() is None, "the first point was not written while the run went on"
         run.send_signal(signal.SIGTERM)
         assert run.wait(60) != 0
         assert exited(server, 30), "the server outlived the run that started it"
+        rows = json.loads(out.read_text())
+        assert [(r["system"], r["concurrency"], r["completed"]) for r in rows] == [("mlx_lm.server", 1, 16)]
+        assert rows[0]["meta"]["args"]["concurrency"] == [1, 32]
     finally:
         if run.poll() is None:
             run.kill()
