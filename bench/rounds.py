@@ -75,6 +75,10 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
                                                 lambda a, b: 1 - a / b)
             s["serve_ttft_p50_added_s"] = paired(rows, p, "ours", "ours-bare-engine", "ttft_p50_s",
                                                  lambda a, b: a - b)
+        split = [x["ttft_split_p50_s"] for x in ok if x["point"] == p and x["system"] == "ours"
+                 and x.get("ttft_split_p50_s")]
+        if split:   # where our TTFT goes: in the replica (request, first_token), outside it
+            s["ours_ttft_split_p50_s"] = {k: statistics.median(x[k] for x in split) for k in split[0]}
         out[p] = s
     return out
 

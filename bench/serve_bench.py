@@ -119,6 +119,22 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     text: str = ""
+    server_timing: dict[str, float] = field(default_factory=dict)   # seconds, from Server-Timing
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """A `Server-Timing` header (`name;dur=ms, ...`) as seconds per name."""
+    out = {}
+    for metric in value.split(","):
+        name, *params = metric.strip().split(";")
+        for param in params:
+            key, _, v = param.strip().partition("=")
+            try:
+                if key == "dur" and name:
+                    out[name] = float(v) / 1e3
+            except ValueError:
+                pass
+    return out
 
 
 def _stats(xs, scale: float = 1.0) -> dict:
@@ -151,7 +167,19 @@ def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> 
         "itl_s": _stats([x for r in ok for x in r.itl]),
         "e2el_s": _stats([r.e2e for r in ok]),
         "ttfts": [r.ttft for r in ok],
+        "server_timing_s": _split_ttft([r for r in ok if {"request", "first_token"} <= r.server_timing.keys()]),
     }
+
+
+def _split_ttft(timed: list[Result]) -> dict | None:
+    """A served stream's TTFT in three: reading the request in the replica, the engine's
+    way to the first token, and `outside` the replica's handler (the hops through the
+    proxy, both ways); None where the server sends no `Server-Timing`."""
+    if not timed:
+        return None
+    st = [r.server_timing for r in timed]
+    return {"request": _stats([t["request"] for t in st]), "first_token": _stats([t["first_token"] for t in st]),
+            "outside": _stats([r.ttft - t["request"] - t["first_token"] for r, t in zip(timed, st)])}
 
 
 # -- backends ------------------------------------------------------------------------------
@@ -220,6 +248,7 @@ class HTTPBackend:
                 if r.status != 200:
                     res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return res
+                res.server_timing = parse_server_timing(r.headers.get("Server-Timing", ""))
                 async for raw in r.content:
                     line = raw.decode().strip()
                     if not line.startswith("data:") or line == "data: [DONE]":
@@ -258,6 +287,7 @@ class HTTPBackend:
                     res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return res
                 out = await r.json()
+                res.server_timing = parse_server_timing(r.headers.get("Server-Timing", ""))
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
             return res
@@ -419,6 +449,10 @@ def print_summary(name: str, s: dict) -> None:
     for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
         d = s[key]
         print(f"{key[:-2].upper():>8} {ms(d, 'mean')} {ms(d, 'p50')} {ms(d, 'p95')} {ms(d, 'p99')}")
+    if s.get("server_timing_s"):
+        print(f"{'TTFT split':>12} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9}   (Server-Timing)")
+        for part, d in s["server_timing_s"].items():
+            print(f"{part:>12} {ms(d, 'mean')} {ms(d, 'p50')} {ms(d, 'p95')} {ms(d, 'p99')}")
     for e in s["errors"]:
         print("error:", e)
 

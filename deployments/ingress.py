@@ -168,6 +168,7 @@ class OpenAIIngress:
 
     # -- HTTP entry point -----------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
+        t0 = time.monotonic()   # arrival: latency metrics and Server-Timing start here
         path, method = request.url.path, request.method
         root = request.scope.get("root_path") or ""
         if root and path.startswith(root):
@@ -182,9 +183,9 @@ class OpenAIIngress:
             if path == "/v1/models" and method == "GET":
                 return JSONResponse(self.models())
             if path == "/v1/completions" and method == "POST":
-                return await self.completions(await self._body(request, CompletionRequest), api_key)
+                return await self.completions(await self._body(request, CompletionRequest), api_key, t0)
             if path == "/v1/chat/completions" and method == "POST":
-                return await self.chat(await self._body(request, ChatCompletionRequest), api_key)
+                return await self.chat(await self._body(request, ChatCompletionRequest), api_key, t0)
             raise HTTPError(404, f"no route for {method} {request.url.path}", code="not_found")
         except HTTPError as e:
             self.metrics.errors.labels(self.model_name, str(e.status)).inc()
@@ -225,8 +226,7 @@ class OpenAIIngress:
                                             "root": self.s["model"]}]}
 
     # -- /v1/completions ------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, api_key: str | None) -> Response:
-        t0 = time.monotonic()
+    async def completions(self, body: CompletionRequest, api_key: str | None, t0: float) -> Response:
         prompts = body.prompts()
         if body.stream and len(prompts) > 1:
             raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
@@ -239,11 +239,13 @@ class OpenAIIngress:
             jobs.append((p, ids, body.sampling_params(max_tokens, body.logprobs)))
         salt = self._salt(body, api_key)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        t_sub = time.monotonic()
         if body.stream:
             p, ids, params = jobs[0]
             first, gen = await self._stream(ids, params, body, salt)
             echo = self._prompt_text(p) if body.echo else None
-            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0))
+            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0),
+                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub))
         started = []
         try:
             for _, ids, params in jobs:
@@ -262,7 +264,8 @@ class OpenAIIngress:
                                 "logprobs": self._completion_logprobs(o.logprobs, len(prefix)),
                                 "finish_reason": o.finish_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                             "model": self.model_name, "choices": choices, "usage": usage.body()})
+                             "model": self.model_name, "choices": choices, "usage": usage.body()},
+                            headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
     def _completion_events(self, rid, created, body, first, gen, echo, t0: float):
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -280,8 +283,7 @@ class OpenAIIngress:
         return self._events(first, gen, body, base, opening, choice, t0)
 
     # -- /v1/chat/completions ---------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, api_key: str | None) -> Response:
-        t0 = time.monotonic()
+    async def chat(self, body: ChatCompletionRequest, api_key: str | None, t0: float) -> Response:
         try:
             k = body.logprobs_k()
         except ValueError as e:
@@ -293,17 +295,20 @@ class OpenAIIngress:
             raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
+        t_sub = time.monotonic()
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(self._chat_events(rid, created, body, first, gen, t0))
+            return _sse(self._chat_events(rid, created, body, first, gen, t0),
+                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub))
         out = await self._drain(first, gen, t0)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
                     "finish_reason": o.finish_reason} for o in out.outputs]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.model_name, "choices": choices,
-                             "usage": _Usage().add(out).body()})
+                             "usage": _Usage().add(out).body()},
+                            headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
     def _chat_events(self, rid, created, body, first, gen, t0: float):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
@@ -419,7 +424,16 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
-def _sse(events) -> StreamingResponse:
+def server_timing(**seconds: float) -> dict[str, str]:
+    """A `Server-Timing` header (W3C), durations in ms, from the request's arrival in this
+    replica: `request` (its body read from Serve's proxy, validated, tokenized),
+    `first_token` (a stream: queue and prefill until the first token is in hand; the
+    headers leave with it) or `generate` (a whole response). What a client measures
+    beyond their sum is the way in and out through Serve's proxy."""
+    return {"Server-Timing": ", ".join(f"{k};dur={v * 1e3:.2f}" for k, v in seconds.items())}
+
+
+def _sse(events, headers: dict[str, str]) -> StreamingResponse:
     async def body():
         try:
             async for ev in events:
@@ -435,4 +449,4 @@ def _sse(events) -> StreamingResponse:
             await events.aclose()
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})

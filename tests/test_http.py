@@ -281,6 +281,35 @@ def test_metrics_after_traffic(server, front, client):
     assert metric(text, "num_requests_waiting") is not None
 
 
+def _server_timing(r: httpx.Response) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) / 1e3
+            for m in re.finditer(r"(\w+);dur=([0-9.]+)", r.headers.get("server-timing", ""))}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
+    """Streamed: the time to read the request and to the first token, sent with the
+    headers; whole: the request and its generation. Each part is real time and together
+    they fit inside what the client measured."""
+    url = server.urls[front] + path
+    ask = ({"prompt": "Timing the way in and out " * 8} if path == "/v1/completions"
+           else {"messages": [{"role": "user", "content": "Timing the way in and out " * 8}]})
+    for stream in (True, False):
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": stream, **ask}
+        t0 = time.monotonic()
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            got_headers = time.monotonic() - t0
+            r.read()
+            assert r.status_code == 200, r.text
+        took = time.monotonic() - t0
+        parts = _server_timing(r)
+        assert set(parts) == ({"request", "first_token"} if stream else {"request", "generate"})
+        assert all(v > 0 for v in parts.values())
+        assert sum(parts.values()) <= got_headers <= took
+        if not stream:
+            assert parts["generate"] > 1e-3     # the prefill and 4 decode steps, at least
+
+
 def test_cached_tokens_in_usage(client):
     prompt = "Question: Who fixed the clock? Answer: A young mechanic fixed the clock. " * 3
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
@@ -406,6 +435,9 @@ def test_serve_bench_measures_the_real_server(server):
     assert prefix["ttft_s"]["p50"] <= prefix["e2el_s"]["p50"]
     assert prefix["tpot_s"]["mean"] > 0 and prefix["itl_s"]["mean"] > 0
     assert 0 < prefix["client_cpu_frac"] < 2               # the client's own CPU share is recorded
+    split = {k: d["mean"] for k, d in prefix["server_timing_s"].items()}   # TTFT, from Server-Timing
+    assert set(split) == {"request", "first_token", "outside"} and all(v > 0 for v in split.values())
+    assert sum(split.values()) == pytest.approx(prefix["ttft_s"]["mean"], rel=1e-6)
 
     turns = asyncio.run(go(sb.multi_turn_workload(src, 2, 3, 16, 4), request_rate=20.0))
     assert turns["completed"] == 6 and turns["total_output_tokens"] == 6 * 4
@@ -421,6 +453,7 @@ def test_serve_bench_measures_the_real_server(server):
     req = sb.random_workload(src, 1, 16, 5, 0.0)[0]
     whole = asyncio.run(one(sb.HTTPBackend(*backend_args, stream=False), req))
     assert whole.ok and whole.output_tokens == 5 and whole.ttft == whole.e2e > 0 and whole.text
+    assert set(whole.server_timing) == {"request", "generate"}
     missing = asyncio.run(one(sb.HTTPBackend(backend_args[0], "no-such-model"), req))
     assert not missing.ok and missing.error.startswith("HTTP 404") and "model_not_found" in missing.error
 
