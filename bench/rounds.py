@@ -5,7 +5,8 @@ machine's yardstick has moved 2x within one system's run) lands on whichever sys
 ran then. Here every system is started once and stays up (idle while another one is
 measured); each round measures every point on every system, in an order rotated each
 round, and every measurement draws fresh prompts (a repeated prompt would hit a prefix
-cache). Ratios are taken within a round and the median over rounds is reported.
+cache) of the same lengths for every system in that round (TTFT follows the prompt's
+length). Ratios are taken within a round and the median over rounds is reported.
 Writes `bench/results/rounds_<tag>.json`.
 
     python bench/rounds.py --rounds 5        # 2-core CPU host: about 12 minutes
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 from contextlib import ExitStack
@@ -125,8 +127,13 @@ def main(argv=None) -> None:
             order = targets[r % len(targets):] + targets[:r % len(targets)]
             for i, p in enumerate(points(args)):
                 for j, t in enumerate(order):
+                    # Text of its own (nothing cached from another system's turn), and the
+                    # same lengths as the other systems' in this round: TTFT follows the
+                    # prompt's length, and 16 draws from 64-192 tokens differ by more
+                    # than the effects measured.
                     reqs = sb.random_workload(sb.TextSource(tok, 100_000 * (r + 1) + 1000 * i + j), p["n"],
-                                              args.input_len, args.output_len, args.range_ratio)
+                                              args.input_len, args.output_len, args.range_ratio,
+                                              lengths=random.Random(100_000 * (r + 1) + 1000 * i))
                     s = compare.measure(t, reqs, p["rate"] or math.inf, p["concurrency"], seed=r)
                     rows.append(compare.to_row(t, p["point"], s, round=r, point=p["point"]))
 

@@ -83,8 +83,10 @@ class TextSource:
 
 
 def random_workload(src: TextSource, n: int, input_len: int, output_len: int,
-                    range_ratio: float) -> list[Request]:
-    rng = src.rng
+                    range_ratio: float, lengths: random.Random | None = None) -> list[Request]:
+    """`lengths`: where the prompt and output lengths come from (default: `src`'s
+    generator), so that workloads of different text can have the same lengths."""
+    rng = lengths or src.rng
     lo, hi = 1 - range_ratio, 1 + range_ratio
     return [Request(src.text(round(input_len * rng.uniform(lo, hi))), None,
                     max(1, round(output_len * rng.uniform(lo, hi)))) for _ in range(n)]

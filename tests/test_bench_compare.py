@@ -141,3 +141,22 @@ def test_rounds_ratios_are_taken_within_a_round():
     assert abs(s["serve_throughput_cost"] - 0.1) < 1e-9
     assert abs(s["serve_ttft_p50_added_s"] - 0.2) < 1e-9     # median of 0.1 and 0.3
     assert s["ours"]["ttft_p50_s"] == 0.4                     # rounds 0 and 1 only
+
+
+def test_workloads_can_share_lengths_and_differ_in_text():
+    """rounds.py gives every system of a round its own text at the same lengths."""
+    import random
+
+    from mlx_lm.utils import load_tokenizer
+
+    from bench import serve_bench as sb
+    from runtime.models import default_model_path
+
+    tok = load_tokenizer(default_model_path())
+    a, b = (sb.random_workload(sb.TextSource(tok, seed), 8, 64, 16, 0.5, lengths=random.Random(7))
+            for seed in (1, 2))
+    assert [r.output_len for r in a] == [r.output_len for r in b]
+    assert [len(tok.encode(r.prompt)) for r in a] == [len(tok.encode(r.prompt)) for r in b]
+    assert all(x.prompt != y.prompt for x, y in zip(a, b))
+    c = sb.random_workload(sb.TextSource(tok, 2), 8, 64, 16, 0.5)
+    assert [r.output_len for r in c] != [r.output_len for r in a]
