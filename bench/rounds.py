@@ -51,7 +51,9 @@ def start(name: str, stack: ExitStack, model: str, engine: dict, extra: dict, to
         return stack.enter_context(compare.ours(model, engine, "ours", extra))
     if name == "ours-bare-engine":
         return stack.enter_context(compare.bare_engine(model, engine, extra))
-    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours or ours-bare-engine")
+    if name == "ours-grpc":   # Serve's proxy calls the replica over gRPC (RAY_SERVE_PROXY_USE_GRPC=1)
+        return stack.enter_context(compare.ours(model, engine, "ours-grpc", extra, front="grpc"))
+    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine or ours-grpc")
 
 
 def paired(rows: list[dict], point: str, a: str, b: str, key: str, op) -> float | None:
@@ -77,10 +79,14 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
                                                 lambda a, b: 1 - a / b)
             s["serve_ttft_p50_added_s"] = paired(rows, p, "ours", "ours-bare-engine", "ttft_p50_s",
                                                  lambda a, b: a - b)
-        split = [x["ttft_split_p50_s"] for x in ok if x["point"] == p and x["system"] == "ours"
-                 and x.get("ttft_split_p50_s")]
-        if split:   # where our TTFT goes: in the replica (request, first_token), outside it
-            s["ours_ttft_split_p50_s"] = {k: statistics.median(x[k] for x in split) for k in split[0]}
+        if "ours-grpc" in systems and "ours" in systems:
+            s["grpc_ttft_p50_change_s"] = paired(rows, p, "ours-grpc", "ours", "ttft_p50_s", lambda a, b: a - b)
+            s["grpc_throughput_ratio"] = paired(rows, p, "ours-grpc", "ours", "output_tok_s", lambda a, b: a / b)
+        for name in systems:   # where our TTFT goes: in the replica (request, first_token), outside it
+            split = [x["ttft_split_p50_s"] for x in ok if x["point"] == p and x["system"] == name
+                     and x.get("ttft_split_p50_s")]
+            if split:
+                s[f"{name}_ttft_split_p50_s"] = {k: statistics.median(x[k] for x in split) for k in split[0]}
         out[p] = s
     return out
 

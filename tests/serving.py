@@ -87,8 +87,9 @@ class ServeRun:
         Serve's direct ingress (the one ingress replica serves HTTP itself, on the port
         picked here, so requests bypass the proxy Serve still starts). "haproxy": Serve's
         HAProxy mode (HAProxy on the HTTP port, in front of the ingress replicas' own
-        ports; no Python proxy on the request path)."""
-        if front not in ("proxy", "direct", "haproxy"):
+        ports; no Python proxy on the request path). "grpc": Serve's proxy, calling the
+        replicas over gRPC instead of Ray actor calls (`RAY_SERVE_PROXY_USE_GRPC=1`)."""
+        if front not in ("proxy", "direct", "haproxy", "grpc"):
             raise ValueError(f"front: {front!r}")
         for attempt in range(self.ATTEMPTS):
             try:
@@ -102,7 +103,9 @@ class ServeRun:
         self.port = proxy_port = free_port()
         env = serve_env()
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
-        if front != "proxy":   # the ingress replicas' own ports; Serve's proxy keeps its own
+        if front == "grpc":
+            env["RAY_SERVE_PROXY_USE_GRPC"] = "1"
+        elif front != "proxy":   # the ingress replicas' own ports; Serve's proxy keeps its own
             n = 1 if front == "direct" else self.INGRESS_PORTS
             ingress_port = free_port_range(n)
             while ingress_port <= proxy_port < ingress_port + n:

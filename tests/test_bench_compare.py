@@ -143,6 +143,23 @@ def test_rounds_ratios_are_taken_within_a_round():
     assert s["ours"]["ttft_p50_s"] == 0.4                     # rounds 0 and 1 only
 
 
+def test_rounds_compare_the_grpc_transport_within_rounds_and_split_ttft():
+    from bench import rounds
+
+    def row(r, system, ttft, outside):
+        return {"round": r, "point": "1 streams", "system": system, "ttft_p50_s": ttft, "tpot_p50_s": 0.01,
+                "output_tok_s": 100.0, "failed": 0,
+                "ttft_split_p50_s": {"request": 0.003, "first_token": ttft - 0.003 - outside, "outside": outside}}
+    rows = [row(0, "ours", 0.10, 0.012), row(0, "ours-grpc", 0.09, 0.008),
+            row(1, "ours", 0.30, 0.010), row(1, "ours-grpc", 0.28, 0.006),
+            row(2, "ours", 0.12, 0.011), row(2, "ours-grpc", 0.13, 0.009)]
+    s = rounds.summarize(rows, ["ours", "ours-grpc"])["1 streams"]
+    assert abs(s["grpc_ttft_p50_change_s"] - -0.01) < 1e-9     # median of -0.01, -0.02, +0.01
+    assert s["grpc_throughput_ratio"] == 1.0
+    assert s["ours_ttft_split_p50_s"]["outside"] == 0.011
+    assert s["ours-grpc_ttft_split_p50_s"]["outside"] == 0.008
+
+
 def test_workloads_can_share_lengths_and_differ_in_text():
     """rounds.py gives every system of a round its own text at the same lengths."""
     import random

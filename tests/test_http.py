@@ -365,13 +365,15 @@ def _haproxy_sessions(state_dir: str) -> dict[str, int]:
     return {r[1]: int(r[7]) for r in rows if len(r) > 7 and r[1].startswith("SERVE_REPLICA")}
 
 
-@pytest.mark.parametrize("front", ["direct", "haproxy"])
+@pytest.mark.parametrize("front", ["direct", "haproxy", "grpc"])
 def test_shipped_config_under_another_front(front):
     """configs/config.yaml under Ray Serve's direct ingress (the ingress replica answers
-    HTTP on its own port) and under its HAProxy mode (HAProxy on the HTTP port in front
-    of the ingress replica's port; README: "Many streams on one host"): no Python proxy
-    on the request path, and the OpenAI surface is the same: streamed tokens equal the
-    unstreamed answer, and a bad request is a 400 with an OpenAI error body. Under
+    HTTP on its own port), under its HAProxy mode (HAProxy on the HTTP port in front
+    of the ingress replica's port; no Python proxy on the request path in either), and
+    with its proxy calling the replica over gRPC (README: "Many streams on one host").
+    The OpenAI surface is the same: streamed tokens equal the unstreamed answer, a bad
+    request is a 400 with an OpenAI error body, and a client that leaves mid-stream
+    frees its request (one replica; under HAProxy /metrics may answer from either). Under
     HAProxy the app runs two replicas, and HAProxy sends requests to both. HAProxy
     is Serve's to start and to stop: running while served, gone after `serve run`."""
     import yaml
@@ -395,6 +397,18 @@ def test_shipped_config_under_another_front(front):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="default", messages=msgs, max_tokens=-1)
         assert e.value.body["type"] == "invalid_request_error"
+        if front != "haproxy":
+            running = lambda: metric(httpx.get(srv.urls["llm"] + "/metrics").text, "num_requests_running")  # noqa: E731
+            body = {"model": "default", "prompt": "On and on.", "max_tokens": 4000, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", srv.urls["llm"] + "/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()   # kept: a dropped iterator closes the response
+                next(lines)
+                assert running() == 1
+            deadline = time.monotonic() + 30
+            while running() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert running() == 0
         if front == "haproxy":
             deadline = time.monotonic() + 120   # the second replica may still be starting
             while len(_haproxy_sessions(srv.dir)) < 2 and time.monotonic() < deadline:
