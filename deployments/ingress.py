@@ -427,8 +427,9 @@ class _Usage:
 def server_timing(**seconds: float) -> dict[str, str]:
     """A `Server-Timing` header (W3C), durations in ms, from the request's arrival in this
     replica: `request` (its body read from Serve's proxy, validated, tokenized),
-    `first_token` (a stream: queue and prefill until the first token is in hand; the
-    headers leave with it) or `generate` (a whole response). What a client measures
+    `first_token` (a stream: until the first token is in hand, the engine's queue and
+    prefill, and with the deployments apart the hop to the `LLMServer` replica and back;
+    the headers leave with it) or `generate` (a whole response). What a client measures
     beyond their sum is the way in and out through Serve's proxy."""
     return {"Server-Timing": ", ".join(f"{k};dur={v * 1e3:.2f}" for k, v in seconds.items())}
 
