@@ -131,11 +131,11 @@ def parse_server_timing(value: str) -> dict[str, float]:
         name, *params = metric.strip().split(";")
         for param in params:
             key, _, v = param.strip().partition("=")
-            try:
-                if key == "dur" and name:
+            if key == "dur" and name:
+                try:
                     out[name] = float(v) / 1e3
-            except ValueError:
-                pass
+                except ValueError:
+                    pass   # a malformed duration: that metric is left out
     return out
 
 

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from bench.serve_bench import parse_server_timing
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
 from .serving import ServeRun, app, engine_pids, live_pids, metric, replica_pids
@@ -281,11 +282,6 @@ def test_metrics_after_traffic(server, front, client):
     assert metric(text, "num_requests_waiting") is not None
 
 
-def _server_timing(r: httpx.Response) -> dict[str, float]:
-    return {m.group(1): float(m.group(2)) / 1e3
-            for m in re.finditer(r"(\w+);dur=([0-9.]+)", r.headers.get("server-timing", ""))}
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
     """Streamed: the time to read the request and to the first token, sent with the
@@ -302,7 +298,7 @@ def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
             r.read()
             assert r.status_code == 200, r.text
         took = time.monotonic() - t0
-        parts = _server_timing(r)
+        parts = parse_server_timing(r.headers.get("server-timing", ""))
         assert set(parts) == ({"request", "first_token"} if stream else {"request", "generate"})
         assert all(v > 0 for v in parts.values())
         assert sum(parts.values()) <= got_headers <= took
