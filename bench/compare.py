@@ -279,16 +279,18 @@ def _ms(x) -> str:
     return f"{x * 1e3:8.1f}ms" if x is not None else "     n/a  "
 
 
-def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random"})) -> None:
+def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random"}),
+            points: list[int] | None = None) -> None:
     """A short pass over the shapes each planned workload runs, so one-off kernel
     compilation for each batch shape is not timed (MLX's CUDA backend compiles on first
     use; a prompt whose prefix is cached runs a new attention shape, a few new tokens over
     a long context). The prefix pass has the measured one's shape (as many families,
     a cold wave then hits). Poisson arrivals never have more than `poisson_prompts`
     requests in flight, so they warm no sweep point above that (mlx_lm.server stops
-    generating after a 256-stream burst). Its text is its own: nothing it caches is hit later."""
+    generating after a 256-stream burst). Its text is its own: nothing it caches is hit later.
+    `points`: the sweep points to warm instead (a variant's own sweep)."""
     a = wl.a
-    for c in warm_sweep(plan, a):
+    for c in warm_sweep(plan, a) if points is None else points:
         measure(target, sb.random_workload(wl.src(7 + c), c, a.input_len, 4, a.range_ratio), concurrency=c)
     if "prefix" in plan:
         reqs = sb.prefix_workload(wl.src(9000), 2 * a.prefix_concurrency, a.prefix_len, a.num_prefixes,
@@ -368,8 +370,9 @@ def variant_sweep(target: Target, wl: Workloads, args, label: str, keep: Callabl
                   **setting) -> None:
     """The concurrency sweep of our app run with one setting changed: rows of workload
     `random (label)`, the setting recorded in each row."""
-    warm_up(target, wl)
-    for c in args.concurrency:
+    points = args.variant_concurrency or args.concurrency
+    warm_up(target, wl, points=points)
+    for c in points:
         keep(to_row(target, f"random ({label})", measure(target, wl.random(c), concurrency=c), **setting))
 
 
@@ -538,6 +541,10 @@ def main(argv=None):
                                                      "ours-no-apc", "vllm-mlx", "ours-gather",
                                                      "ours-engine-thread"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    ap.add_argument("--variant-concurrency", type=int, nargs="+", default=None,
+                    help="the sweep of the app's variants (ours-gather, ...); default: --concurrency")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="our engine's max_num_seqs (default: the largest --concurrency)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.5)
@@ -583,7 +590,7 @@ def main(argv=None):
     extra = sb.eos_logit_bias(tok)
     wl = Workloads(tok, args)
     top = max(args.concurrency)
-    engine = {"max_num_seqs": top, "max_num_batched_tokens": args.max_num_batched_tokens,
+    engine = {"max_num_seqs": args.max_num_seqs or top, "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30)}
     cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
     results = Path(args.results_dir)
@@ -614,12 +621,18 @@ def main(argv=None):
         n_before = len(rows)
         ticks0, speed0 = cpu_ticks(), host_speed()
         if name == "mlx_lm.server":
+            # The sweep and the other workloads each get a fresh server: after a burst
+            # of hundreds of streams mlx_lm.server can stop generating (its generation
+            # thread dies and every later request fails), which would lose the rest.
             with mlx_lm_server(model, top, extra) as t:
-                run_system(t, wl, args, {"random", "prefix", "multi-turn"}, None, keep)
-                if not rate and mlx_lm_sweep(rows):
-                    rate = poisson_rate(rows, args.output_len)[0]
-                if rate:
-                    run_system(t, wl, args, {"poisson"}, rate, keep)
+                run_system(t, wl, args, {"random"}, None, keep)
+            if not rate and mlx_lm_sweep(rows):
+                rate = poisson_rate(rows, args.output_len)[0]
+            if {"prefix", "multi-turn", "poisson"} & set(args.workloads):
+                with mlx_lm_server(model, top, extra) as t:
+                    run_system(t, wl, args, {"prefix", "multi-turn"}, None, keep)
+                    if rate:
+                        run_system(t, wl, args, {"poisson"}, rate, keep)
         elif name == "ours":
             with ours(model, engine, "ours", extra) as t:
                 run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate, keep)

@@ -1,6 +1,6 @@
 """The comparison harness: a partial bundle still gets a headline, rows keep the meta of
-the run that measured them, warm-ups stay within what a run reaches, and a run stopped
-with SIGTERM stops the servers it started."""
+the run that measured them, warm-ups stay within what a run reaches, mlx_lm.server gets a
+fresh server after its sweep, and a run stopped with SIGTERM stops the servers it started."""
 
 import json
 import os
@@ -177,3 +177,27 @@ def test_workloads_can_share_lengths_and_differ_in_text():
     assert all(x.prompt != y.prompt for x, y in zip(a, b))
     c = sb.random_workload(sb.TextSource(tok, 2), 8, 64, 16, 0.5)
     assert [r.output_len for r in c] != [r.output_len for r in a]
+
+
+def test_mlx_lm_server_runs_the_workloads_after_its_sweep_on_a_fresh_server(tmp_path):
+    """After a burst of hundreds of streams mlx_lm.server can stop generating; the
+    workloads after its sweep then run on a server of their own, not on that one."""
+    cmd = [sys.executable, "bench/compare.py", "--tag", "t", "--results-dir", str(tmp_path), "--systems",
+           "mlx_lm.server", "--concurrency", "1", "--min-prompts", "2", "--input-len", "8", "--output-len", "4",
+           "--workloads", "random", "multi-turn", "--num-sessions", "2", "--turns", "2", "--turn-len", "8",
+           "--turn-output-len", "4", "--no-kv-memory"]
+    run = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    servers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while run.poll() is None and time.monotonic() < deadline:
+            servers |= set(live_pids("-P", str(run.pid), "-f", "mlx_lm.server"))
+            time.sleep(0.1)
+        assert run.wait(10) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+    rows = json.loads((tmp_path / "compare_t.json").read_text())
+    assert sorted((r["workload"], r["failed"]) for r in rows) == [("multi-turn", 0), ("random", 0)]
+    assert len(servers) == 2, servers
