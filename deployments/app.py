@@ -81,6 +81,10 @@ class AppArgs(BaseModel):
                                       "lowering it needs privileges (else a warning, and "
                                       "RAY_worker_niceness=0 before `ray start` does it); "
                                       "null leaves Ray's")
+    engine_threads: Optional[int] = Field(
+        None, ge=1, description="OMP_NUM_THREADS of each LLMServer's engine process: Ray sets 1 "
+                                "for its workers, which slowed the served engine's decode on a GPU "
+                                "host; default: pin_cpus when set, else the host's CPU count")
     pin_cpus: Optional[int] = Field(
         None, ge=1, description="pin each LLMServer's engine (and MLX's threads) to this "
                                 "many CPUs, replica rank r taking CPUs [r * n, (r + 1) * n) modulo "
@@ -141,7 +145,8 @@ def build_app(args: AppArgs) -> serve.Application:
     }
     server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,
                    "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,
-                   "engine_process": args.engine_process, "engine_nice": args.engine_nice}
+                   "engine_process": args.engine_process, "engine_nice": args.engine_nice,
+                   "engine_threads": args.engine_threads}
     if args.colocate:
         opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING), None
         if opts["max_queued_requests"] >= 0:

@@ -91,9 +91,13 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 600.0,
-                 on_start: Callable[[], None] | None = None, process: bool = False):
+                 on_start: Callable[[], None] | None = None, process: bool = False,
+                 env: dict[str, str] | None = None):
         """`on_start` runs first where the loop runs, before the model loads (to pin
-        that thread or process, say). `process` runs the loop in its own process."""
+        that thread or process, say). `process` runs the loop in its own process, with
+        `env`'s variables set there (a thread shares this process's environment)."""
+        if env and not process:
+            raise ValueError("env applies to an engine process only (process=True)")
         self.config = config or EngineConfig()
         self.process = process
         self._waiters: dict[str, _Stream] = {}
@@ -106,7 +110,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         if process:
             from .engine_process import EngineProcess
-            self._core = EngineProcess(self.config, self._on_events, on_start)
+            self._core = EngineProcess(self.config, self._on_events, on_start, env)
             self._send = self._core.send
         else:
             self._loop = EngineLoop(self.config, on_start)

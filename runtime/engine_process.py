@@ -33,9 +33,10 @@ class EngineProcess:
     message of events to `on_events` on a receiving thread."""
 
     def __init__(self, config: EngineConfig, on_events: Callable[[list], None],
-                 on_start: Callable[[], None] | None = None):
+                 on_start: Callable[[], None] | None = None, env: dict[str, str] | None = None):
+        """`env`: variables the child gets beside (or instead of) this process's."""
         parent, child = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.engine_process", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env)
         child.close()

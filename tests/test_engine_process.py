@@ -52,6 +52,20 @@ def test_process_engine_gives_the_thread_engines_outputs(engines):
     assert proc.tokenizer.encode("Question") == thread.tokenizer.encode("Question")
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
+def test_the_engine_process_gets_the_variables_it_is_given(default_model):
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=32), process=True,
+                      env={"OMP_NUM_THREADS": "3"})
+    try:
+        with open(f"/proc/{eng._core.proc.pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        assert env[b"OMP_NUM_THREADS"] == b"3"
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="engine process"):
+        AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=32), env={"OMP_NUM_THREADS": "3"})
+
+
 def test_process_engine_raises_typed_errors_with_their_fields(engines):
     _, proc = engines
 

@@ -340,6 +340,10 @@ def test_shipped_config_serves_the_default_model():
             for pid in (replica, engine):
                 tasks = os.listdir(f"/proc/{pid}/task")
                 assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks} == {0}, (pid, tasks)
+            # Ray gives its one-CPU replica OMP_NUM_THREADS=1; the engine process gets the host's CPUs.
+            env = {k: v for k, _, v in (e.partition("=") for e in
+                                       Path(f"/proc/{engine}/environ").read_text().split("\0"))}
+            assert env["OMP_NUM_THREADS"] == str(os.cpu_count()), env.get("OMP_NUM_THREADS")
     finally:
         srv.stop()
 
