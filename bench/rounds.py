@@ -53,7 +53,10 @@ def start(name: str, stack: ExitStack, model: str, engine: dict, extra: dict, to
         return stack.enter_context(compare.bare_engine(model, engine, extra))
     if name == "ours-grpc":   # Serve's proxy calls the replica over gRPC (RAY_SERVE_PROXY_USE_GRPC=1)
         return stack.enter_context(compare.ours(model, engine, "ours-grpc", extra, front="grpc"))
-    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine or ours-grpc")
+    if name == "ours-engine-threads-1":   # the engine process keeps Ray's OMP_NUM_THREADS=1
+        return stack.enter_context(compare.ours(model, engine, name, extra, engine_threads=1))
+    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine, ours-grpc "
+                     "or ours-engine-threads-1")
 
 
 def paired(rows: list[dict], point: str, a: str, b: str, key: str, op) -> float | None:
