@@ -224,6 +224,12 @@ def engine_pids(replica_pid: int) -> list[int]:
     return live_pids("-P", str(replica_pid), "-f", "runtime.engine_process")
 
 
+def process_env(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with (Linux: /proc)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(e.split("=", 1) for e in raw.split("\0") if "=" in e)
+
+
 def app(name: str, route_prefix: str, **args) -> dict:
     return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_app",
             "args": args}

@@ -17,7 +17,7 @@ from runtime import AsyncEngine, EngineConfig, SamplingParams
 from runtime.errors import EngineDeadError, PromptTooLongError, RequestAbortedError
 
 from .conftest import FD_LIMIT_AT_START
-from .serving import ROOT, exited
+from .serving import ROOT, exited, process_env
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,7 @@ def test_the_engine_process_gets_the_variables_it_is_given(default_model):
     eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=32), process=True,
                       env={"OMP_NUM_THREADS": "3"})
     try:
-        with open(f"/proc/{eng._core.proc.pid}/environ", "rb") as f:
-            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        assert env[b"OMP_NUM_THREADS"] == b"3"
+        assert process_env(eng._core.proc.pid)["OMP_NUM_THREADS"] == "3"
     finally:
         eng.shutdown()
     with pytest.raises(ValueError, match="engine process"):

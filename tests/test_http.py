@@ -13,7 +13,7 @@ import pytest
 from bench.serve_bench import parse_server_timing
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app, engine_pids, live_pids, metric, replica_pids
+from .serving import ServeRun, app, engine_pids, live_pids, metric, process_env, replica_pids
 
 KEY = "sk-test-tenant-a"
 MODEL = "default"
@@ -341,8 +341,7 @@ def test_shipped_config_serves_the_default_model():
                 tasks = os.listdir(f"/proc/{pid}/task")
                 assert {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks} == {0}, (pid, tasks)
             # Ray gives its one-CPU replica OMP_NUM_THREADS=1; the engine process gets the host's CPUs.
-            env = {k: v for k, _, v in (e.partition("=") for e in
-                                       Path(f"/proc/{engine}/environ").read_text().split("\0"))}
+            env = process_env(engine)
             assert env["OMP_NUM_THREADS"] == str(os.cpu_count()), env.get("OMP_NUM_THREADS")
     finally:
         srv.stop()
