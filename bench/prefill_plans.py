@@ -90,13 +90,15 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--kv-cache-gb", type=float, default=16.0)
     ap.add_argument("--tag", default=None, help="results file suffix (default: the device kind)")
+    ap.add_argument("--order", nargs=2, choices=["idle", "none"], default=["none", "idle"],
+                    help="which mode runs first (MLX's on-disk kernel cache warms the second)")
     ap.add_argument("--mode", choices=["idle", "none"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
     runs = {}
-    for mode in ("none", "idle"):
+    for mode in args.order:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
