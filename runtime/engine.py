@@ -88,8 +88,7 @@ class LLMEngine:
         self.num_blocks = self._num_blocks(per_block)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
-                                  config.attention_backend, config.compile_decode,
-                                  config.max_num_seqs, config.max_num_batched_tokens)
+                                  config.attention_backend, config.compile_decode)
         self.runner.verify()
         if self.runner.decode_graph is not None:
             t = time.perf_counter()
@@ -196,18 +195,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None or bool(self._undelivered)
-
-    # -- idle time ------------------------------------------------------------------
-    def has_idle_work(self) -> bool:
-        plans = self.runner.prefill_plans
-        return plans is not None and plans.pending > 0
-
-    def idle_work(self) -> None:
-        """One piece of the work worth doing while no request runs, tens of
-        milliseconds: building a prefill attention plan before a step needs it
-        (attention/prefill_plans.py). Call only between requests."""
-        if self.has_idle_work() and not self.has_unfinished_requests():
-            self.runner.prefill_plans.build_next()
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -393,7 +380,6 @@ class LLMEngine:
             "step_failures": self._counters["step_failures"],
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.attention_backend,
-            "prefill_plans_pending": self.runner.prefill_plans.pending if self.runner.prefill_plans else 0,
             "device_memory_active_bytes": mx.get_active_memory(),
             "device_memory_cache_bytes": mx.get_cache_memory(),
             "device_memory_peak_bytes": mx.get_peak_memory(),

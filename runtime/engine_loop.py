@@ -7,10 +7,6 @@ Commands come in between steps: `("add", request_id, kwargs)`, `("abort", reques
 error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], reason)`,
 `("stats", dict)`, `("hashes", [bytes])`; at the end `("dead", reason)` or
 `("stopped",)`. `AsyncEngine` turns the events into its callers' streams.
-
-With no request to run, the loop does the engine's idle work (`LLMEngine.idle_work`,
-one piece of tens of milliseconds a turn) and polls for commands without blocking;
-with none left, it blocks until a command comes.
 """
 
 import logging
@@ -71,13 +67,10 @@ class EngineLoop:
         try:
             while not self._stopping:
                 events: list = []
-                for cmd in recv(not engine.has_unfinished_requests() and not engine.has_idle_work()):
+                for cmd in recv(not engine.has_unfinished_requests()):
                     self._apply(cmd, events)
                 if engine.has_unfinished_requests():
                     self._step(events)
-                    self._busy_at = time.monotonic()
-                elif engine.has_idle_work():
-                    engine.idle_work()
                     self._busy_at = time.monotonic()
                 elif self._busy_at and time.monotonic() - self._busy_at > IDLE_CACHE_RELEASE_S:
                     mx.clear_cache()

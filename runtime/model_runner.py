@@ -14,9 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import (PADDING_FREE, build_metadata, get_backend, install_hook, paged_attention, paged_kernel,
-                        resolve_backend)
-from .attention.prefill_plans import PrefillPlans
+from .attention import PADDING_FREE, build_metadata, get_backend, install_hook, paged_kernel, resolve_backend
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
@@ -53,8 +51,7 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 attention_backend: str = "gather", compile_decode: bool | None = False,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048):
+                 attention_backend: str = "gather", compile_decode: bool | None = False):
         self.model = model
         self.block_size = block_size
         num_layers, kv_heads, head_dim = kv_geometry(model)
@@ -65,10 +62,8 @@ class ModelRunner:
         log.info("attention backend %s (%s)", self.attention_backend, why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
-        self._plan_limits = (max_num_seqs, max_num_batched_tokens)
-        self.pad_prefill, self.prefill_plans = False, None
-        if paged_kernel.available("cuda"):
-            self.pad_prefill_shapes()
+        # Shape-bucketed prefill attention where new shapes cost a plan build (CUDA).
+        self.pad_prefill = paged_kernel.available("cuda")
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE
@@ -86,17 +81,6 @@ class ModelRunner:
         if compile_decode:
             self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free,
                                             max_batch)
-
-    def pad_prefill_shapes(self) -> None:
-        """Pad prefill groups to power-of-two shapes (`make_group`) and build their
-        attention plans ahead of use, while idle (attention/prefill_plans.py): on by
-        itself where each new shape costs a plan build (CUDA). Outputs do not change."""
-        self.pad_prefill = True
-        self.prefill_plans = PrefillPlans(
-            lambda q, meta, scale: paged_attention(q, self.pool.keys[0], self.pool.values[0], meta, scale,
-                                                   self.ctx.attend_fn),
-            self.model.args.num_attention_heads, self.pool.keys[0].shape[-1], self.pool.keys[0].dtype,
-            self.pool.num_blocks, self.block_size, *self._plan_limits)
 
     def _decode_logits(self, inputs: mx.array) -> mx.array:
         return self._logits(inputs, None, self._split_head)
@@ -147,8 +131,6 @@ class ModelRunner:
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,
                                        pad_prefill=self.pad_prefill)
-        if self.prefill_plans is not None:
-            self.prefill_plans.note(self.ctx.meta)
         split = self._split_head if split_head is None else split_head
         rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)

@@ -167,7 +167,7 @@ def test_shape_padded_prefill_matches(arch):
     logprobs."""
     name, path = arch
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, max_num_batched_tokens=40))
-    engine.runner.pad_prefill_shapes()
+    engine.runner.pad_prefill = True
     rng = random.Random(3)
     prompts = [_prompt(rng, n) for n in (3, 50, 17, 33)]
     for ids, out in zip(prompts, engine.generate(prompts, _params())):
