@@ -284,8 +284,8 @@ def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random
     """A short pass over the shapes each planned workload runs, so one-off kernel
     compilation for each batch shape is not timed (MLX's CUDA backend compiles on first
     use; a prompt whose prefix is cached runs a new attention shape, a few new tokens over
-    a long context). The prefix pass has the measured one's shape (as many families,
-    a cold wave then hits). Poisson arrivals never have more than `poisson_prompts`
+    a long context). The prefix passes have the measured one's shape (as many families,
+    a cold wave then hits), then hits at lower concurrency (`warm_prefix_concurrency`). Poisson arrivals never have more than `poisson_prompts`
     requests in flight, so they warm no sweep point above that (mlx_lm.server stops
     generating after a 256-stream burst). Its text is its own: nothing it caches is hit later.
     `points`: the sweep points to warm instead (a variant's own sweep)."""
@@ -293,12 +293,22 @@ def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random
     for c in warm_sweep(plan, a) if points is None else points:
         measure(target, sb.random_workload(wl.src(7 + c), c, a.input_len, 4, a.range_ratio), concurrency=c)
     if "prefix" in plan:
-        reqs = sb.prefix_workload(wl.src(9000), 2 * a.prefix_concurrency, a.prefix_len, a.num_prefixes,
-                                  a.suffix_len, a.prefix_output_len)
-        measure(target, reqs, concurrency=a.prefix_concurrency)
+        for c in warm_prefix_concurrency(a.prefix_concurrency):
+            reqs = sb.prefix_workload(wl.src(9000), 2 * c, a.prefix_len, a.num_prefixes,
+                                      a.suffix_len, a.prefix_output_len)
+            measure(target, reqs, concurrency=c)
     if "multi-turn" in plan:
         reqs = sb.multi_turn_workload(wl.src(9001), a.num_sessions, 2, a.turn_len, 4)
         measure(target, reqs, concurrency=a.num_sessions)
+
+
+def warm_prefix_concurrency(c: int) -> list[int]:
+    """The prefix warm-up's passes: the measured concurrency (a cold wave, then hits),
+    then each power of two below it (hits). How many hit prompts prefill in one step
+    depends on how their arrivals split over steps, and on CUDA each batch size is a
+    new attention shape whose first use builds a plan (tens of milliseconds): the
+    measured waves of 8 also run as 1+7 or 3+5, batch buckets 1 and 4."""
+    return [c] + [1 << i for i in range((c - 1).bit_length()) if 1 << i < c]
 
 
 def warm_sweep(plan: set[str], args) -> list[int]:

@@ -48,6 +48,15 @@ def test_warm_up_runs_only_the_sweep_points_its_workloads_reach():
     assert compare.warm_sweep({"prefix", "multi-turn"}, args) == []
 
 
+def test_prefix_warm_up_covers_every_batch_bucket_of_its_hit_waves():
+    """Waves of 8 hits can prefill 1, 2, 4 or 8 at a time; the warm-up runs the
+    measured concurrency first (its cold wave caches the prefixes), then the lower
+    powers of two."""
+    assert compare.warm_prefix_concurrency(8) == [8, 1, 2, 4]
+    assert compare.warm_prefix_concurrency(6) == [6, 1, 2, 4]
+    assert compare.warm_prefix_concurrency(1) == [1]
+
+
 def test_rows_keep_the_meta_of_the_run_that_measured_them(tmp_path):
     """Rows written before a run is cut short carry its meta, so a later --merge run
     does not stamp its own arguments on them."""
