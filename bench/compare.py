@@ -285,9 +285,10 @@ def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random
     compilation for each batch shape is not timed (MLX's CUDA backend compiles on first
     use; a prompt whose prefix is cached runs a new attention shape, a few new tokens over
     a long context). The prefix passes have the measured one's shape (as many families,
-    a cold wave then hits), then hits at lower concurrency (`warm_prefix_concurrency`). Poisson arrivals never have more than `poisson_prompts`
-    requests in flight, so they warm no sweep point above that (mlx_lm.server stops
-    generating after a 256-stream burst). Its text is its own: nothing it caches is hit later.
+    a cold wave then hits), then hits at lower concurrency (`warm_prefix_concurrency`).
+    Poisson arrivals never have more than `poisson_prompts` requests in flight, so they
+    warm no sweep point above that (mlx_lm.server stops generating after a 256-stream
+    burst). Its text is its own: nothing it caches is hit later.
     `points`: the sweep points to warm instead (a variant's own sweep)."""
     a = wl.a
     for c in warm_sweep(plan, a) if points is None else points:
