@@ -52,22 +52,29 @@ def time_backend(name: str, batch: int, context: int, args) -> dict:
             "kv_bytes": kv_bytes, "kv_bytes_per_s": kv_bytes / per_call}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--context", type=int, nargs="+", default=[256, 1024])
+def parse_geometry_args(ap: argparse.ArgumentParser, argv, name: str) -> tuple[argparse.Namespace, Path]:
+    """Adds the options the attention benchmarks share (geometry, dtype, output) and
+    parses. Returns the arguments, with the dtype resolved for this device, and the
+    JSON path: `--out`, else bench/results/{name}_{cpu,gpu}.json."""
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
-    ap.add_argument("--chain", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default=None, help="default: bench/results/paged_attention_{cpu,gpu}.json")
+    ap.add_argument("--out", default=None, help=f"default: bench/results/{name}_{{cpu,gpu}}.json")
     args = ap.parse_args(argv)
     gpu = mx.default_device() == mx.gpu
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    out = Path(args.out or RESULTS / f"paged_attention_{'gpu' if gpu else 'cpu'}.json")
+    return args, Path(args.out or RESULTS / f"{name}_{'gpu' if gpu else 'cpu'}.json")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--chain", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=10)
+    args, out = parse_geometry_args(ap, argv, "paged_attention")
     backends = ["gather"] + [n for n in KERNELS if paged_kernel.available(n)]
     bandwidth = copy_bandwidth()
     rows = []

@@ -5,6 +5,7 @@ machine); on CPU and Metal they skip with that reason.
 """
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
@@ -123,6 +124,24 @@ def test_prefill_groups_are_padded_to_power_of_two_shapes():
     assert g.out_rows.tolist() == [0, 1, 2, 3, 4, 16, 17, 18]
     assert g.query_pos[0, :5].tolist() == [10, 11, 12, 13, 14] and g.query_pos[0, 5:].tolist() == [0] * 11
     assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_additive_mask_attends_as_the_boolean_one(dtype):
+    """gather hands SDPA the mask as 0 / lowest value in the query's dtype (CUDA's fused
+    attention runs boolean masks several times slower): the outputs match the boolean
+    mask's, and the mask is made once per group and dtype, shared by every layer."""
+    tables = [[3, 4], [7]]
+    (g,) = build_metadata(tables, [10, 6], [5, 3], 16, pad_prefill=True).groups
+    add = g.additive_mask(dtype)
+    assert add is g.additive_mask(dtype) and add.dtype == dtype and add.shape == g.mask.shape
+    assert mx.array_equal(add == 0, g.mask)
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((2, 4, 16, 8)), dtype=dtype)
+    k, v = (mx.array(rng.standard_normal((2, 2, 64, 8)), dtype=dtype) for _ in range(2))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=g.mask).astype(mx.float32)
+    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=add).astype(mx.float32)
+    assert mx.allclose(got, want, atol=1e-2 if dtype != mx.float32 else 1e-5).item()
 
 
 @pytest.mark.parametrize("compile_decode", [False, True])

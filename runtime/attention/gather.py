@@ -22,4 +22,5 @@ def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetada
     """q: (B, H, Lq, D) -> (B, H, Lq, D)."""
     k = gather_kv(k_pool, g.block_tables, block_size)
     v = gather_kv(v_pool, g.block_tables, block_size)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=g.mask, sinks=sinks)
+    mask = g.additive_mask(q.dtype)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)

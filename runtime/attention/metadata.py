@@ -12,7 +12,7 @@ decodes stay one group: one kernel launch a layer.
 """
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -43,10 +43,22 @@ class GroupMetadata:
     mask: mx.array
     query_rows: mx.array | None = None
     out_rows: mx.array | None = None
+    _additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def single_query(self) -> bool:
         return self.query_pos.shape[1] == 1
+
+    def additive_mask(self, dtype: mx.Dtype) -> mx.array:
+        """`mask` as 0 where a query may attend and `dtype`'s lowest value elsewhere,
+        made once for all layers. MLX's fused attention on CUDA ran 4-5x slower with the
+        boolean mask (H200: a prefill group of 8 over 2k-token contexts, 1.1 vs 0.2 ms a
+        layer; 8 whole 2k prompts, 21 vs 4.5 ms)."""
+        m = self._additive.get(dtype)
+        if m is None:
+            m = self._additive[dtype] = mx.where(self.mask, mx.array(0, dtype),
+                                                 mx.array(mx.finfo(dtype).min, dtype))
+        return m
 
 
 @dataclass
