@@ -169,19 +169,24 @@ def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> 
         "itl_s": _stats([x for r in ok for x in r.itl]),
         "e2el_s": _stats([r.e2e for r in ok]),
         "ttfts": [r.ttft for r in ok],
-        "server_timing_s": _split_ttft([r for r in ok if {"request", "first_token"} <= r.server_timing.keys()]),
+        "server_timing_s": _split_ttft([r for r in ok if r.server_timing]),
     }
 
 
 def _split_ttft(timed: list[Result]) -> dict | None:
-    """A served stream's TTFT in three: reading the request in the replica, the engine's
-    way to the first token, and `outside` the replica's handler (the hops through the
-    proxy, both ways); None where the server sends no `Server-Timing`."""
+    """A served stream's TTFT in parts: reading the request in the replica (`request`),
+    the way to the first token (`first_token`), and `outside` the replica's handler (the
+    hops through the proxy, both ways); within `first_token`, the engine's own
+    `engine_queue` and `engine_prefill`. Each part that every timed result has; None
+    where the server (or engine) reports none."""
     if not timed:
         return None
     st = [r.server_timing for r in timed]
-    return {"request": _stats([t["request"] for t in st]), "first_token": _stats([t["first_token"] for t in st]),
-            "outside": _stats([r.ttft - t["request"] - t["first_token"] for r, t in zip(timed, st)])}
+    keys = [k for k in st[0] if all(k in t for t in st)]
+    out = {k: _stats([t[k] for t in st]) for k in keys}
+    if {"request", "first_token"} <= set(keys):
+        out["outside"] = _stats([r.ttft - t["request"] - t["first_token"] for r, t in zip(timed, st)])
+    return out or None
 
 
 # -- backends ------------------------------------------------------------------------------
@@ -338,6 +343,9 @@ class EngineBackend:
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
+                        m = out.metrics
+                        if m is not None and m.prefill_time is not None:
+                            res.server_timing = {"engine_queue": m.queue_time, "engine_prefill": m.prefill_time}
                     else:
                         res.itl.append(now - last)
                     last = now

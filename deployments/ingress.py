@@ -245,7 +245,8 @@ class OpenAIIngress:
             first, gen = await self._stream(ids, params, body, salt)
             echo = self._prompt_text(p) if body.echo else None
             return _sse(self._completion_events(rid, created, body, first, gen, echo, t0),
-                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub))
+                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
+                                      **engine_timing(first)))
         started = []
         try:
             for _, ids, params in jobs:
@@ -300,7 +301,8 @@ class OpenAIIngress:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self._chat_events(rid, created, body, first, gen, t0),
-                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub))
+                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
+                                      **engine_timing(first)))
         out = await self._drain(first, gen, t0)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
@@ -333,7 +335,7 @@ class OpenAIIngress:
         last = None
         async for out in self._chain(first, gen):
             last = out
-            timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
+            timer.output(out)
             for o in out.outputs:
                 if o.delta_text or o.delta_token_ids or o.finish_reason:
                     yield {**base, "choices": [choice(o)]}
@@ -345,7 +347,7 @@ class OpenAIIngress:
         """Collect a non-streamed request; returns its final output."""
         timer, last = RequestTimer(self.metrics, t0), None
         async for out in self._chain(first, gen):
-            timer.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
+            timer.output(out)
             last = out
         self._finish(timer, last)
         return last
@@ -424,13 +426,25 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
+def engine_timing(out) -> dict[str, float]:
+    """The engine's own part of a TTFT, for `server_timing`: `engine_queue` (waiting to be
+    scheduled) and `engine_prefill` (scheduled to first token). Empty for an output
+    without them."""
+    m = getattr(out, "metrics", None)
+    if m is None or m.prefill_time is None:
+        return {}
+    return {"engine_queue": m.queue_time, "engine_prefill": m.prefill_time}
+
+
 def server_timing(**seconds: float) -> dict[str, str]:
     """A `Server-Timing` header (W3C), durations in ms, from the request's arrival in this
     replica: `request` (its body read from Serve's proxy, validated, tokenized),
     `first_token` (a stream: until the first token is in hand, the engine's queue and
     prefill, and with the deployments apart the hop to the `LLMServer` replica and back;
-    the headers leave with it) or `generate` (a whole response). What a client measures
-    beyond their sum is the way in and out through Serve's proxy."""
+    the headers leave with it) or `generate` (a whole response), and for a stream, of
+    `first_token`, the engine's `engine_queue` and `engine_prefill` (`engine_timing`).
+    What a client measures beyond `request` and `first_token` is the way in and out
+    through Serve's proxy."""
     return {"Server-Timing": ", ".join(f"{k};dur={v * 1e3:.2f}" for k, v in seconds.items())}
 
 

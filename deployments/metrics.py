@@ -91,6 +91,12 @@ class Metrics:
                              buckets=_LAT, registry=self.registry)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, end to end.", lab,
                              buckets=_LAT, registry=self.registry)
+        self.queue = Histogram(P + "request_queue_time_seconds",
+                               "Time in the engine's waiting queue, to first scheduling.", lab,
+                               buckets=_LAT, registry=self.registry)
+        self.prefill = Histogram(P + "request_prefill_time_seconds",
+                                 "Time from first scheduling to the first token, in the engine.", lab,
+                                 buckets=_LAT, registry=self.registry)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", lab,
                                      registry=self.registry)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", lab,
@@ -115,6 +121,16 @@ class RequestTimer:
         self.m = metrics
         self.start = self.last = start
         self.first = None
+
+    def output(self, out) -> None:
+        """One engine output: its new tokens, and on the first, the engine's queue and
+        prefill times."""
+        m = out.metrics
+        if self.first is None and m is not None and m.prefill_time is not None:
+            name = self.m.model_name
+            self.m.queue.labels(name).observe(m.queue_time)
+            self.m.prefill.labels(name).observe(m.prefill_time)
+        self.tokens(sum(len(o.delta_token_ids) for o in out.outputs))
 
     def tokens(self, n: int) -> None:
         if n <= 0:

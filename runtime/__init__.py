@@ -35,11 +35,11 @@ _import_mlx_lm_raising_fd_limit_only()
 
 from .config import EngineConfig  # noqa: E402
 from .engine import LLMEngine  # noqa: E402
-from .outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob",
-           "RequestOutput", "SamplingParams"]
+           "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name):

@@ -23,7 +23,7 @@ from .kv.block_pool import device_memory_bytes, kv_bytes_per_block, num_blocks_f
 from .model_runner import ModelRunner, PendingStep
 from .models.fuse import fuse_projections
 from .models.loader import activation_dtype, kv_geometry, load, max_context
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -44,6 +44,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
     sent: list[int] = field(default_factory=list)   # output tokens already returned, per seq
 
     def __post_init__(self):
@@ -156,7 +157,8 @@ class LLMEngine:
         stops = params.stop
         seqs = [Sequence(request_id, i, ids, params, priority, cache_salt) for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self._hf, ids, stops) for _ in seqs]
-        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, detoks)
+        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, detoks,
+                                             RequestMetrics(time.monotonic()))
         for s in seqs:
             self.scheduler.add(s)
         self._counters["prompt_tokens"] += len(ids)
@@ -298,9 +300,16 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
             self._counters["requests_finished"] += 1
+        m = req.metrics
+        if m.first_token_time is None:   # a request's first output carries its first token
+            m.first_token_time = time.monotonic()
+            m.first_scheduled_time = min((s.first_scheduled_time for s in req.seqs
+                                          if s.first_scheduled_time is not None), default=None)
+        elif not finished:
+            m = None
         if not whole:
-            return RequestOutput(req.request_id, None, [], outs, False, cached)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached)
+            return RequestOutput(req.request_id, None, [], outs, False, cached, m)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, m)
 
     def _completion(self, req: _Request, seq: Sequence, whole: bool) -> CompletionOutput:
         """`whole`: with the cumulative text, token ids and logprobs, not only deltas."""

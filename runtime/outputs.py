@@ -32,6 +32,30 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When the engine took the request, first scheduled it and had its first token in
+    hand, in `time.monotonic()` seconds of the engine's host (vLLM's `RequestMetrics`,
+    trimmed). Differences between them hold on any host: `queue_time` and
+    `prefill_time` split a TTFT into waiting and computing, wherever the caller runs."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -39,6 +63,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None   # on the first output with tokens and on the last
 
     def absorb(self, newer: "RequestOutput") -> "RequestOutput":
         """`newer`, with this output's deltas in front of its own: one output standing
@@ -50,6 +75,8 @@ class RequestOutput:
                 o.delta_text = prev.delta_text + o.delta_text
                 o.delta_token_ids = list(prev.delta_token_ids) + list(o.delta_token_ids)
                 o.delta_logprobs = list(prev.delta_logprobs) + list(o.delta_logprobs)
+        if newer.metrics is None:
+            newer.metrics = self.metrics
         return newer
 
     @property

@@ -18,6 +18,7 @@ batch only when nothing is running and runs it to completion (for benchmarks).
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from .attention import sort_key
@@ -140,6 +141,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = start
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, start))

@@ -38,6 +38,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int | None = None                  # prefix hit at first admission
+    first_scheduled_time: float | None = None             # time.monotonic() at first admission
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0

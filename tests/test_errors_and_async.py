@@ -159,6 +159,27 @@ def test_serve_bench_prompts_share_prefixes_only_by_design(async_engine):
     assert len({tuple(i[:48]) for i in fam}) == 2
 
 
+def test_request_metrics_time_the_queue_and_the_prefill(default_model):
+    """The first output with tokens and the last carry the engine's moments, in order;
+    outputs between carry none. With room for one sequence, the second request waits
+    for the whole first: its queue time holds the first's generation."""
+    eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128, max_num_seqs=1))
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng.add_request("a", "The miller", p)
+    eng.add_request("b", "The baker", p)
+    outs: dict[str, list] = {"a": [], "b": []}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id].append(o)
+    for rid, seq in outs.items():
+        first, last = seq[0].metrics, seq[-1].metrics
+        assert first is last and all(o.metrics is None for o in seq[1:-1])
+        assert first.arrival_time <= first.first_scheduled_time < first.first_token_time
+        assert first.queue_time >= 0 and first.prefill_time > 0
+    a, b = outs["a"][0].metrics, outs["b"][0].metrics
+    assert b.first_scheduled_time > a.first_token_time and b.queue_time > a.prefill_time
+
+
 def test_serve_bench_engine_backend_counts_every_token(async_engine):
     from bench import serve_bench as sb
 
@@ -170,6 +191,10 @@ def test_serve_bench_engine_backend_counts_every_token(async_engine):
     assert s["completed"] == 6 and s["total_output_tokens"] == sum(r.output_len for r in reqs)
     assert s["goodput"] == s["request_throughput"]          # a one-minute TTFT SLO is always met
     assert len(s["samples"]) >= 1
+    split = s["server_timing_s"]                            # the engine's part of each TTFT
+    assert set(split) == {"engine_queue", "engine_prefill"}
+    assert 0 < split["engine_prefill"]["p50"] and split["engine_queue"]["p50"] + split["engine_prefill"]["p50"] \
+        <= s["ttft_s"]["p95"]
 
 
 def test_async_cancel_frees_blocks(async_engine):

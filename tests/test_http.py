@@ -270,6 +270,9 @@ def test_metrics_after_traffic(server, front, client):
     # at the first output read about 10 microseconds), and no more than the client saw.
     ttft, e2e = mean("time_to_first_token_seconds"), mean("e2e_request_latency_seconds")
     assert 1e-3 < ttft <= e2e <= max(took)
+    # The engine's own part of it: waiting to be scheduled, then the prefill.
+    queue, prefill = mean("request_queue_time_seconds"), mean("request_prefill_time_seconds")
+    assert 0 <= queue and 0 < prefill and queue + prefill <= ttft
     assert metric(text, "time_to_first_token_seconds_count") > 0
     assert metric(text, "e2e_request_latency_seconds_count") > 0
     assert metric(text, "inter_token_latency_seconds_count") > 0
@@ -285,8 +288,9 @@ def test_metrics_after_traffic(server, front, client):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
     """Streamed: the time to read the request and to the first token, sent with the
-    headers; whole: the request and its generation. Each part is real time and together
-    they fit inside what the client measured."""
+    headers, and within the latter the engine's queue and prefill; whole: the request
+    and its generation. Each part is real time and together they fit inside what the
+    client measured."""
     url = server.urls[front] + path
     ask = ({"prompt": "Timing the way in and out " * 8} if path == "/v1/completions"
            else {"messages": [{"role": "user", "content": "Timing the way in and out " * 8}]})
@@ -299,9 +303,14 @@ def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
             assert r.status_code == 200, r.text
         took = time.monotonic() - t0
         parts = parse_server_timing(r.headers.get("server-timing", ""))
+        engine = {k: parts.pop(k) for k in ("engine_queue", "engine_prefill") if k in parts}
         assert set(parts) == ({"request", "first_token"} if stream else {"request", "generate"})
         assert all(v > 0 for v in parts.values())
         assert sum(parts.values()) <= got_headers <= took
+        if stream:
+            assert set(engine) == {"engine_queue", "engine_prefill"}
+            assert engine["engine_queue"] >= 0 and engine["engine_prefill"] > 0
+            assert sum(engine.values()) <= parts["first_token"]
         if not stream:
             assert parts["generate"] > 1e-3     # the prefill and 4 decode steps, at least
 
@@ -449,8 +458,10 @@ def test_serve_bench_measures_the_real_server(server):
     assert prefix["tpot_s"]["mean"] > 0 and prefix["itl_s"]["mean"] > 0
     assert 0 < prefix["client_cpu_frac"] < 2               # the client's own CPU share is recorded
     split = {k: d["mean"] for k, d in prefix["server_timing_s"].items()}   # TTFT, from Server-Timing
+    engine = {k: split.pop(k) for k in ("engine_queue", "engine_prefill")}  # the engine's part of first_token
     assert set(split) == {"request", "first_token", "outside"} and all(v > 0 for v in split.values())
     assert sum(split.values()) == pytest.approx(prefix["ttft_s"]["mean"], rel=1e-6)
+    assert engine["engine_queue"] >= 0 and 0 < engine["engine_prefill"] <= split["first_token"]
 
     turns = asyncio.run(go(sb.multi_turn_workload(src, 2, 3, 16, 4), request_rate=20.0))
     assert turns["completed"] == 6 and turns["total_output_tokens"] == 6 * 4
