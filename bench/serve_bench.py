@@ -169,7 +169,7 @@ def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> 
         "itl_s": _stats([x for r in ok for x in r.itl]),
         "e2el_s": _stats([r.e2e for r in ok]),
         "ttfts": [r.ttft for r in ok],
-        "server_timing_s": _split_ttft([r for r in ok if r.server_timing]),
+        "server_timing_s": _split_ttft([r for r in ok if {"first_token", "engine_prefill"} & r.server_timing.keys()]),
     }
 
 
