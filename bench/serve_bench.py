@@ -343,9 +343,8 @@ class EngineBackend:
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
-                        m = out.metrics
-                        if m is not None and m.prefill_time is not None:
-                            res.server_timing = {"engine_queue": m.queue_time, "engine_prefill": m.prefill_time}
+                        if out.metrics is not None:
+                            res.server_timing = out.metrics.ttft_parts()
                     else:
                         res.itl.append(now - last)
                     last = now

@@ -431,9 +431,7 @@ def engine_timing(out) -> dict[str, float]:
     scheduled) and `engine_prefill` (scheduled to first token). Empty for an output
     without them."""
     m = getattr(out, "metrics", None)
-    if m is None or m.prefill_time is None:
-        return {}
-    return {"engine_queue": m.queue_time, "engine_prefill": m.prefill_time}
+    return m.ttft_parts() if m is not None else {}
 
 
 def server_timing(**seconds: float) -> dict[str, str]:

@@ -54,6 +54,13 @@ class RequestMetrics:
             return None
         return self.first_token_time - self.first_scheduled_time
 
+    def ttft_parts(self) -> dict[str, float]:
+        """The engine's part of a TTFT by the names servers and benchmarks report it
+        under: `engine_queue` and `engine_prefill`; empty before the first token."""
+        if self.prefill_time is None:
+            return {}
+        return {"engine_queue": self.queue_time, "engine_prefill": self.prefill_time}
+
 
 @dataclass
 class RequestOutput:
