@@ -124,6 +124,37 @@ def test_chat_stream_with_usage_and_content_parts(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_long_prompts_tokenized_off_the_loop_match(server, front, engine):
+    """Prompts long enough to be tokenized on the ingress's threads, eight at once on
+    each endpoint: each request gets its own prompt's tokens and the engine's greedy
+    text."""
+    from deployments.ingress import INLINE_PROMPT_CHARS
+
+    words = "river baker clock lantern harbor meadow signal orchard".split()
+    prompts = [" ".join(words[(i + j) % len(words)] + str(j % (i + 2)) for j in range(60)) for i in range(8)]
+    assert min(map(len, prompts)) > INLINE_PROMPT_CHARS
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+
+    async def ask():
+        c = openai.AsyncOpenAI(base_url=server.urls[front] + "/v1", api_key="unused", max_retries=0)
+        done = await asyncio.gather(
+            *(c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts),
+            *(c.chat.completions.create(model=MODEL, messages=m, max_tokens=6, temperature=0) for m in chats))
+        await c.close()
+        return done[:8], done[8:]
+
+    completions, chat = asyncio.run(ask())
+    params = SamplingParams(temperature=0, max_tokens=6)
+    chat_ids = [list(engine.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
+                for m in chats]
+    for p, r, want in zip(prompts, completions, engine.generate(prompts, params)):
+        assert r.usage.prompt_tokens == len(engine.tokenizer.encode(p))
+        assert r.choices[0].text == want.outputs[0].text
+    for ids, r, want in zip(chat_ids, chat, engine.generate(chat_ids, params)):
+        assert r.usage.prompt_tokens == len(ids)
+        assert r.choices[0].message.content == want.outputs[0].text
+
+
 def test_n_two(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
                                   temperature=1.0, seed=3)
