@@ -14,7 +14,6 @@ import asyncio
 import atexit
 import itertools
 import logging
-import math
 import queue
 import threading
 import weakref
@@ -32,61 +31,31 @@ _ids = itertools.count()
 
 
 class _Stream:
-    """One `generate()` call's mailbox, living in the caller's event loop. Outputs merge
-    into `pending`; the caller is woken only when it should yield: at once for an
-    error, the last output, or the first output after its interval (`due`); a
-    pending output that is not yet due arms one timer. So at hundreds of streams,
-    each engine step costs the loop a merge per stream, not a wake-up per stream."""
+    """One `generate()` call's mailbox, living in the caller's event loop. The engine
+    loop paces what it sends (`OutputPacer`); outputs that arrive while the caller is
+    busy merge into `pending`, so the caller always takes one output standing for all
+    it missed."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.pending: RequestOutput | BaseException | None = None
-        self.due = 0.0
         self._fut: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def put_threadsafe(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.put, item)
-        except RuntimeError:
-            pass  # the caller's loop is closed; nobody is listening
 
     def put(self, item) -> None:
         p = self.pending
         if isinstance(p, BaseException):
             return  # an error ends the stream; nothing after it matters
         self.pending = item if p is None or isinstance(item, BaseException) else p.absorb(item)
-        self._wake()
-
-    def _ready(self) -> bool:
-        p = self.pending
-        return p is not None and (isinstance(p, BaseException) or p.finished or self.loop.time() >= self.due)
-
-    def _wake(self) -> None:
-        if self._fut is None or self._fut.done():
-            return
-        if self._ready():
+        if self._fut is not None and not self._fut.done():
             self._fut.set_result(None)
-        elif self.pending is not None and self._timer is None and self.due != math.inf:
-            self._timer = self.loop.call_at(self.due, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._wake()
 
     async def get(self):
-        """The next (merged) output or error, when it is due."""
-        while not self._ready():
+        """The next (merged) output or error."""
+        while self.pending is None:
             self._fut = self.loop.create_future()
-            self._wake()
             await self._fut
         item, self.pending = self.pending, None
         return item
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 class AsyncEngine:
@@ -162,11 +131,12 @@ class AsyncEngine:
         `finished=True`. Invalid input raises the engine's typed error on first iteration.
 
         Outputs that pile up while the caller is busy come merged into one. With
-        `stream_interval_s`, after the first output at most one merged output is yielded
-        per interval (the final one at once; `math.inf`: the first and the last only):
+        `stream_interval_s`, after the first output at most one merged output comes per
+        interval (the final one at once; `math.inf`: the first and the last only):
         fewer, larger chunks for transports that pay per message. `max_chunks_per_s`
-        caps the chunks of all live streams together: the interval grows to
-        `live streams / max_chunks_per_s` when that is longer."""
+        caps the chunks of all paced streams together: the interval grows to
+        `paced streams / max_chunks_per_s` when that is longer. The engine loop does
+        the pacing (`OutputPacer`), so held outputs never leave it."""
         self.check_health()
         request_id = request_id or f"req-{next(_ids)}"
         stream = _Stream(asyncio.get_running_loop())
@@ -175,7 +145,8 @@ class AsyncEngine:
         self._waiters[request_id] = stream
         self._send(("add", request_id, dict(
             prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
-            priority=priority, cache_salt=cache_salt)))
+            priority=priority, cache_salt=cache_salt, stream_interval_s=stream_interval_s,
+            max_chunks_per_s=max_chunks_per_s)))
         finished = False
         self.live_streams += 1
         try:
@@ -185,15 +156,10 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
-                interval = stream_interval_s
-                if max_chunks_per_s > 0:
-                    interval = max(interval, self.live_streams / max_chunks_per_s)
-                stream.due = stream.loop.time() + interval
                 yield item
                 if finished:
                     return
         finally:
-            stream.close()
             self.live_streams -= 1
             if self._waiters.get(request_id) is stream:
                 self._waiters.pop(request_id, None)

@@ -1,8 +1,9 @@
 """`EngineLoop`: the step loop around one `LLMEngine`, the same on a thread of the
 server's process or in an engine process of its own (engine_process.py).
 
-Commands come in between steps: `("add", request_id, kwargs)`, `("abort", request_id)`,
-`("stop",)`. Each turn of the loop reports what happened as one list of events:
+Commands come in between steps: `("add", request_id, kwargs)` (`LLMEngine.add_request`'s
+arguments, and `stream_interval_s` and `max_chunks_per_s` for the `OutputPacer`),
+`("abort", request_id)`, `("stop",)`. Each turn of the loop reports what happened as one list of events:
 `("ready", info)` or `("start_failed", error)` once; then `("rejected", request_id,
 error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], reason)`,
 `("stats", dict)`, `("hashes", [bytes])`; at the end `("dead", reason)` or
@@ -17,6 +18,7 @@ import mlx.core as mx
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .output_pacer import OutputPacer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class EngineLoop:
         self.config = config
         self.on_start = on_start
         self.engine: LLMEngine | None = None
+        self.pacer = OutputPacer()
         self._stopping = False
         self._failures = 0
         self._hashes_at = 0.0
@@ -93,12 +96,16 @@ class EngineLoop:
         if kind == "add":
             _, request_id, kwargs = cmd
             kwargs = dict(kwargs)
+            pace = kwargs.pop("stream_interval_s", 0.0), kwargs.pop("max_chunks_per_s", 0.0)
             try:
                 self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"), **kwargs)
             except Exception as e:
                 events.append(("rejected", request_id, e))
+                return
+            self.pacer.add(request_id, *pace)
         elif kind == "abort":
             self.engine.abort(cmd[1])
+            self.pacer.drop(cmd[1])
         elif kind == "stop":
             self._stopping = True
 
@@ -110,8 +117,13 @@ class EngineLoop:
             if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             log.exception("engine step failed; aborting the requests it ran")
-            events.append(("failed", self.engine.recover(), repr(e)))
+            failed = self.engine.recover()
+            for rid in failed:
+                self.pacer.drop(rid)
+            events.append(("failed", failed, repr(e)))
             return
         if outputs:   # a step only launched proves nothing yet
             self._failures = 0
+            outputs = self.pacer.release(outputs, time.monotonic())
+        if outputs:
             events.append(("outputs", outputs))

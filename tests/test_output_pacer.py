@@ -1,0 +1,90 @@
+"""The engine loop paces each request's outputs: the first and the last leave at once,
+the ones between at most once per interval, merged, and held ones never leave it."""
+
+import math
+import queue
+import threading
+
+from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime.engine_loop import EngineLoop
+from runtime.output_pacer import OutputPacer
+from runtime.outputs import CompletionOutput, RequestOutput
+
+
+def out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    c = CompletionOutput(0, "", [], None, "length" if finished else None,
+                         delta_text="".join(f"<{t}>" for t in tokens), delta_token_ids=list(tokens))
+    return RequestOutput(rid, None, [], [c], finished)
+
+
+def test_first_and_last_leave_at_once_the_rest_once_per_interval_merged():
+    pacer = OutputPacer()
+    pacer.add("a", interval=1.0)
+    pacer.add("plain")
+    sent = []
+    for step in range(6):    # steps at t = 0, 0.4, 0.8, 1.2, 1.6, 2.0; "a" finishes on the last
+        now = 0.4 * step
+        sent += pacer.release([out("a", [step], finished=step == 5), out("plain", [step])], now)
+    a = [o for o in sent if o.request_id == "a"]
+    assert [o.outputs[0].delta_token_ids for o in a] == [[0], [1, 2, 3], [4, 5]]
+    assert a[1].outputs[0].delta_text == "<1><2><3>" and a[-1].finished
+    assert len([o for o in sent if o.request_id == "plain"]) == 6   # unpaced: every step
+    assert len(pacer) == 0    # "plain" was never paced, "a" is done
+
+
+def test_the_cap_stretches_the_interval_with_the_paced_requests():
+    pacer = OutputPacer()
+    for rid in "abcd":
+        pacer.add(rid, max_chunks_per_s=4.0)    # four streams, four chunks a second: 1 s each
+    sent = []
+    for step in range(5):
+        sent += pacer.release([out(rid, [step]) for rid in "abcd"], 0.25 * step)
+    assert [len([o for o in sent if o.request_id == r]) for r in "abcd"] == [2, 2, 2, 2]  # t = 0 and 1.0
+
+
+def test_dropped_and_whole_requests():
+    pacer = OutputPacer()
+    pacer.add("gone", interval=10.0)
+    pacer.add("whole", interval=math.inf)
+    assert len(pacer.release([out("gone", [1]), out("whole", [1])], 0.0)) == 2
+    assert pacer.release([out("gone", [2]), out("whole", [2])], 1.0) == []
+    pacer.drop("gone")
+    last = pacer.release([out("whole", [3], finished=True)], 50.0)
+    assert [o.outputs[0].delta_token_ids for o in last] == [[2, 3]]
+    assert len(pacer) == 0
+
+
+def test_engine_loop_sends_only_paced_outputs(default_model):
+    """A 60 s interval: of 30 tokens the loop emits two outputs (the first token, then
+    the other 29 merged with the last), whose deltas are exactly the unpaced tokens."""
+    cfg = EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128)
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLMEngine(cfg).generate(["The baker"], p)[0].outputs[0]
+    commands: queue.Queue = queue.Queue()
+    emitted: list = []
+    done = threading.Event()
+
+    def recv(block: bool) -> list:
+        try:
+            return [commands.get(timeout=0.1 if block else 0)]
+        except queue.Empty:
+            return []
+
+    def emit(events: list) -> None:
+        for ev in events:
+            if ev[0] == "outputs":
+                emitted.extend(ev[1])
+                if any(o.finished for o in ev[1]):
+                    done.set()
+
+    loop = EngineLoop(cfg)
+    t = threading.Thread(target=loop.run, args=(recv, emit), daemon=True)
+    t.start()
+    commands.put(("add", "r", dict(prompt="The baker", params=p, stream_interval_s=60.0)))
+    assert done.wait(60)
+    commands.put(("stop",))
+    t.join(30)
+    assert [len(o.outputs[0].delta_token_ids) for o in emitted] == [1, 29]
+    assert [t for o in emitted for t in o.outputs[0].delta_token_ids] == want.token_ids
+    assert "".join(o.outputs[0].delta_text for o in emitted) == want.text
+    assert len(loop.pacer) == 0
