@@ -12,7 +12,9 @@ proxy, and `ours-haproxy-2-ingress` behind HAProxy (which balances over both); o
 `ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
 through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shipped
 `configs/config.yaml` colocates front and engine in one replica; opt-in `ours-ray-nice`:
-the app with its engine left at the niceness Ray gives its workers (15) instead of 0.
+the app with its engine left at the niceness Ray gives its workers (15) instead of 0;
+opt-in `ours-separate-loop`: the app's handlers on an event loop of their own, Ray's
+default, instead of the loop where Ray receives the replica's requests.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -684,6 +686,9 @@ def main(argv=None):
             cap = float(name.removeprefix("ours-chunks-"))
             with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:
                 variant_sweep(t, wl, args, f"{cap:g} chunks/s", keep, max_stream_chunks_per_s=cap)
+        elif name == "ours-separate-loop":
+            with ours(model, engine, "ours", extra, share_replica_loop=False) as t:
+                variant_sweep(t, wl, args, "handlers on a loop of their own", keep, share_replica_loop=False)
         elif name == "ours-ray-nice":
             with ours(model, engine, "ours", extra, engine_nice=None) as t:
                 variant_sweep(t, wl, args, "engine at Ray's nice 15", keep, engine_nice=None)

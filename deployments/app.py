@@ -85,6 +85,12 @@ class AppArgs(BaseModel):
         None, ge=1, description="OMP_NUM_THREADS of each LLMServer's engine process: Ray sets 1 "
                                 "for its workers, which slowed the served engine's decode on a GPU "
                                 "host; default: pin_cpus when set, else the host's CPU count")
+    share_replica_loop: bool = Field(
+        True, description="run the handlers on each replica's own event loop, where Ray "
+                          "receives its requests (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 "
+                          "in the replicas, as Ray's throughput-optimized mode sets it): no hop "
+                          "between two loops, on two threads of one GIL, per request and per "
+                          "stream chunk; false keeps Ray's default, a loop of their own")
     pin_cpus: Optional[int] = Field(
         None, ge=1, description="pin each LLMServer's engine (and MLX's threads) to this "
                                 "many CPUs, replica rank r taking CPUs [r * n, (r + 1) * n) modulo "
@@ -117,11 +123,18 @@ INGRESS_MAX_ONGOING = 1024
 OVERLOAD_MARGIN = 64           # colocated: requests past the limit that reach the replica
 
 
-def _options(d: DeploymentArgs, max_ongoing: int) -> dict:
+def _options(d: DeploymentArgs, max_ongoing: int, env: dict[str, str]) -> dict:
+    """Serve options of one deployment; `env` goes into its replicas' environment,
+    beneath any `runtime_env.env_vars` the config sets."""
     opts = d.model_dump(exclude_none=True)
     opts.setdefault("max_ongoing_requests", max_ongoing)
     if d.autoscaling_config:
         opts.pop("num_replicas", None)
+    if env:
+        actor = dict(opts.get("ray_actor_options") or {})
+        runtime_env = dict(actor.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
+        opts["ray_actor_options"] = {**actor, "runtime_env": runtime_env}
     return opts
 
 
@@ -147,8 +160,9 @@ def build_app(args: AppArgs) -> serve.Application:
                    "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,
                    "engine_process": args.engine_process, "engine_nice": args.engine_nice,
                    "engine_threads": args.engine_threads}
+    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.share_replica_loop else {}
     if args.colocate:
-        opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING), None
+        opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING, env), None
         if opts["max_queued_requests"] >= 0:
             # The engine holds what the two deployments would hold together (ongoing in
             # the replica plus queued before it) and refuses more with an OpenAI error
@@ -160,6 +174,7 @@ def build_app(args: AppArgs) -> serve.Application:
             opts["max_queued_requests"] = max(max_requests, OVERLOAD_MARGIN)
         colocated = serve.deployment(ColocatedServer, name="OpenAIServer", **opts)
         return colocated.bind(server_args, settings, max_requests)
-    server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server, LLM_SERVER_MAX_ONGOING))
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **_options(args.ingress, INGRESS_MAX_ONGOING))
+    server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server, LLM_SERVER_MAX_ONGOING, env))
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress",
+                               **_options(args.ingress, INGRESS_MAX_ONGOING, env))
     return ingress.bind(server.bind(**server_args), settings)

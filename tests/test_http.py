@@ -533,3 +533,22 @@ def test_colocated_app_args():
     assert d._deployment_config.max_queued_requests == 120
     unbounded = build_app(AppArgs(colocate=True, llm_server={"max_ongoing_requests": 100}))._bound_deployment
     assert unbounded.init_args[2] is None and unbounded._deployment_config.max_ongoing_requests == 100
+
+
+def test_replicas_share_their_event_loop_unless_told_not_to():
+    """Our handlers run on the loop where Ray receives each replica's requests, in both
+    shapes of the app; a config's own `runtime_env.env_vars` win, and
+    `share_replica_loop: false` leaves Ray's default."""
+    from deployments.app import AppArgs, build_app
+
+    def env(app) -> list[dict]:
+        deployments = [app._bound_deployment] + [a._bound_deployment for a in app._bound_deployment.init_args
+                                                 if hasattr(a, "_bound_deployment")]
+        return [(d.ray_actor_options.get("runtime_env") or {}).get("env_vars", {}) for d in deployments]
+
+    key = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+    assert [e[key] for e in env(build_app(AppArgs(colocate=True)))] == ["0"]
+    split = build_app(AppArgs(llm_server={"ray_actor_options": {"num_cpus": 1, "runtime_env": {
+        "env_vars": {"MY_VAR": "1", key: "1"}}}}))
+    assert env(split) == [{key: "0"}, {key: "1", "MY_VAR": "1"}]   # ingress, then LLMServer
+    assert env(build_app(AppArgs(colocate=True, share_replica_loop=False))) == [{}]
