@@ -457,9 +457,13 @@ class _Usage:
 
 
 def engine_timing(out) -> dict[str, float]:
-    """The engine's own part of a TTFT, for `server_timing`: `engine_queue` (waiting to be
-    scheduled) and `engine_prefill` (scheduled to first token). Empty for an output
-    without them."""
+    """The parts of `first_token` the engine side timed, for `server_timing`
+    (`RequestMetrics.ttft_parts`): `to_engine` (sent until the engine loop took it),
+    `engine_queue` (waiting to be scheduled), `engine_prefill` (scheduled to first
+    token), `from_engine` (back beside the replica's engine client) and `to_caller`
+    (until the handler had it). Empty for an output without them; with the deployments
+    apart, the hop to the `LLMServer` replica and back is what `first_token` holds
+    beyond them."""
     m = getattr(out, "metrics", None)
     return m.ttft_parts() if m is not None else {}
 
@@ -469,8 +473,8 @@ def server_timing(**seconds: float) -> dict[str, str]:
     replica: `request` (its body read from Serve's proxy, validated, tokenized),
     `first_token` (a stream: until the first token is in hand, the engine's queue and
     prefill, and with the deployments apart the hop to the `LLMServer` replica and back;
-    the headers leave with it) or `generate` (a whole response), and for a stream, of
-    `first_token`, the engine's `engine_queue` and `engine_prefill` (`engine_timing`).
+    the headers leave with it) or `generate` (a whole response), and for a stream, the
+    parts of `first_token` that `engine_timing` names.
     What a client measures beyond `request` and `first_token` is the way in and out
     through Serve's proxy."""
     return {"Server-Timing": ", ".join(f"{k};dur={v * 1e3:.2f}" for k, v in seconds.items())}

@@ -16,6 +16,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from functools import partial
 from typing import AsyncIterator, Callable
@@ -143,6 +144,7 @@ class AsyncEngine:
         if request_id in self._waiters:
             raise DuplicateRequestError(request_id)
         self._waiters[request_id] = stream
+        submitted = time.monotonic()
         self._send(("add", request_id, dict(
             prompt=prompt, params=params or SamplingParams(), prompt_token_ids=prompt_token_ids,
             priority=priority, cache_salt=cache_salt, stream_interval_s=stream_interval_s,
@@ -156,6 +158,9 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                m = item.metrics
+                if m is not None and m.delivered_time is None:
+                    m.submitted_time, m.delivered_time = submitted, time.monotonic()
                 yield item
                 if finished:
                     return
@@ -212,6 +217,7 @@ class AsyncEngine:
         requests per step those writes and wake-ups would cost more than the step's
         scheduling."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
+        now = time.monotonic()
 
         def deliver(w: _Stream | None, item) -> None:
             if w is not None:
@@ -221,6 +227,8 @@ class AsyncEngine:
             kind = ev[0]
             if kind == "outputs":
                 for out in ev[1]:
+                    if out.metrics is not None and out.metrics.received_time is None:
+                        out.metrics.received_time = now
                     deliver(self._waiters.pop(out.request_id, None) if out.finished
                             else self._waiters.get(out.request_id), out)
             elif kind == "stats":

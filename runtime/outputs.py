@@ -36,11 +36,20 @@ class RequestMetrics:
     """When the engine took the request, first scheduled it and had its first token in
     hand, in `time.monotonic()` seconds of the engine's host (vLLM's `RequestMetrics`,
     trimmed). Differences between them hold on any host: `queue_time` and
-    `prefill_time` split a TTFT into waiting and computing, wherever the caller runs."""
+    `prefill_time` split a TTFT into waiting and computing, wherever the caller runs.
+
+    `AsyncEngine` adds its own moments, on the same host's clock (the engine loop runs
+    on its thread or in its child process): when it sent the request to the loop, when
+    the first output came back from the loop, and when `generate()` handed it to the
+    caller. They time the way to the engine and back, which a server's event loop and
+    GIL can stretch."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    submitted_time: float | None = None
+    received_time: float | None = None
+    delivered_time: float | None = None
 
     @property
     def queue_time(self) -> float | None:
@@ -56,10 +65,20 @@ class RequestMetrics:
 
     def ttft_parts(self) -> dict[str, float]:
         """The engine's part of a TTFT by the names servers and benchmarks report it
-        under: `engine_queue` and `engine_prefill`; empty before the first token."""
+        under: `engine_queue` and `engine_prefill`; empty before the first token. With
+        `AsyncEngine`'s moments, also `to_engine` (sent to the loop, until the engine took
+        it), `from_engine` (the first token, until the output was back beside the
+        caller) and `to_caller` (from there until `generate()` yielded it): together with
+        the engine's two, the whole time from sending the request to holding its first
+        token."""
         if self.prefill_time is None:
             return {}
-        return {"engine_queue": self.queue_time, "engine_prefill": self.prefill_time}
+        parts = {"engine_queue": self.queue_time, "engine_prefill": self.prefill_time}
+        if None not in (self.submitted_time, self.received_time, self.delivered_time):
+            parts.update(to_engine=self.arrival_time - self.submitted_time,
+                         from_engine=self.received_time - self.first_token_time,
+                         to_caller=self.delivered_time - self.received_time)
+        return parts
 
 
 @dataclass

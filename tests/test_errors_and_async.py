@@ -180,6 +180,27 @@ def test_request_metrics_time_the_queue_and_the_prefill(default_model):
     assert b.first_scheduled_time > a.first_token_time and b.queue_time > a.prefill_time
 
 
+def test_async_engine_times_the_way_to_the_engine_and_back(async_engine):
+    """The caller's moments bracket the engine's on one clock: sent, taken by the
+    engine, scheduled, first token, back beside the caller, yielded. The parts add up
+    to the time from sending to holding the first token, within what the caller saw."""
+    p = SamplingParams(temperature=0, max_tokens=3)
+
+    async def first():
+        t0 = time.monotonic()
+        async for out in async_engine.generate("The clockmaker", p):
+            return out, time.monotonic() - t0
+
+    out, seen = asyncio.run(first())
+    m = out.metrics
+    assert m.submitted_time <= m.arrival_time <= m.first_scheduled_time < m.first_token_time \
+        <= m.received_time <= m.delivered_time
+    parts = m.ttft_parts()
+    assert list(parts) == ["engine_queue", "engine_prefill", "to_engine", "from_engine", "to_caller"]
+    assert sum(parts.values()) == pytest.approx(m.delivered_time - m.submitted_time, abs=1e-9)
+    assert sum(parts.values()) <= seen
+
+
 def test_serve_bench_engine_backend_counts_every_token(async_engine):
     from bench import serve_bench as sb
 
@@ -191,8 +212,8 @@ def test_serve_bench_engine_backend_counts_every_token(async_engine):
     assert s["completed"] == 6 and s["total_output_tokens"] == sum(r.output_len for r in reqs)
     assert s["goodput"] == s["request_throughput"]          # a one-minute TTFT SLO is always met
     assert len(s["samples"]) >= 1
-    split = s["server_timing_s"]                            # the engine's part of each TTFT
-    assert set(split) == {"engine_queue", "engine_prefill"}
+    split = s["server_timing_s"]                            # each TTFT in parts, the engine's among them
+    assert set(split) == {"to_engine", "engine_queue", "engine_prefill", "from_engine", "to_caller"}
     assert 0 < split["engine_prefill"]["p50"] and split["engine_queue"]["p50"] + split["engine_prefill"]["p50"] \
         <= s["ttft_s"]["p95"]
 
