@@ -67,6 +67,7 @@ class EngineLoop:
             return
         emit([("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                          "stats": engine.stats()})])
+        engine.output_sink = lambda outputs: self._send_outputs(outputs, emit)
         try:
             while not self._stopping:
                 events: list = []
@@ -108,6 +109,18 @@ class EngineLoop:
             self.pacer.drop(cmd[1])
         elif kind == "stop":
             self._stopping = True
+
+    def _send_outputs(self, outputs: list, emit: Emit) -> None:
+        """A large step's outputs, as soon as the engine's worker thread has processed
+        them, while the main thread queues the next step: paced, then emitted with the
+        stats they leave behind, so a caller holding a request's last output sees it
+        counted. Only one of the two threads emits at a time: the main thread emits
+        between steps. (A small step's outputs come back from `step()` and leave with
+        the turn's other events: one message a turn.)"""
+        self._failures = 0
+        outputs = self.pacer.release(outputs, time.monotonic())
+        if outputs:
+            emit([("outputs", outputs), ("stats", self.engine.stats())])
 
     def _step(self, events: list) -> None:
         try:

@@ -1,11 +1,14 @@
-"""The engine loop paces each request's outputs: the first and the last leave at once,
-the ones between at most once per interval, merged, and held ones never leave it."""
+"""How outputs leave the engine: a large step's as soon as the worker thread has
+processed them, while the next step is still being queued; and the engine loop paces
+each request's outputs: the first and the last at once, the ones between at most once
+per interval, merged, and held ones never leave it."""
 
 import math
 import queue
 import threading
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime import engine as engine_module
 from runtime.engine_loop import EngineLoop
 from runtime.output_pacer import OutputPacer
 from runtime.outputs import CompletionOutput, RequestOutput
@@ -88,3 +91,48 @@ def test_engine_loop_sends_only_paced_outputs(default_model):
     assert [t for o in emitted for t in o.outputs[0].delta_token_ids] == want.token_ids
     assert "".join(o.outputs[0].delta_text for o in emitted) == want.text
     assert len(loop.pacer) == 0
+
+
+def test_a_large_steps_outputs_leave_while_the_next_step_is_queued(default_model):
+    """With an `output_sink`, a step of at least `OVERLAP_MIN_SEQS` sequences hands its
+    outputs on from the worker thread while the main thread is still queuing the next
+    step; a step processed inline returns its outputs from `step()`. Every token
+    arrives once, in order."""
+    cfg = EngineConfig(model=default_model, num_gpu_blocks=512, max_model_len=128, max_num_seqs=64)
+    n = engine_module.OVERLAP_MIN_SEQS + 4
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [f"Order {i} of the bakery" for i in range(n)]
+    want = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(LLMEngine(cfg).generate(prompts, p))}
+
+    eng = LLMEngine(cfg)
+    queuing = threading.Event()
+    queue = eng.runner.queue
+
+    def slow_queue(pending):
+        queuing.set()
+        try:
+            queue(pending)
+            threading.Event().wait(0.05)   # a window the worker's hand-off must fall in
+        finally:
+            queuing.clear()
+
+    eng.runner.queue = slow_queue
+    got: dict[str, list[int]] = {}
+    during_queue: list[bool] = []
+
+    def sink(outputs):
+        during_queue.append(queuing.is_set() and threading.current_thread() is not threading.main_thread())
+        for o in outputs:
+            got.setdefault(o.request_id, []).extend(o.outputs[0].delta_token_ids)
+
+    eng.output_sink = sink
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, p)
+    returned = 0
+    while eng.has_unfinished_requests():
+        outputs = eng.step()
+        returned += len(outputs)
+        sink(outputs)
+    eng.close()
+    assert got == want
+    assert any(during_queue) and returned > 0   # large steps early; the last, inline, from step()
