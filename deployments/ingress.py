@@ -35,9 +35,9 @@ log = logging.getLogger("ray.serve")
 # Tokenizing happens on threads, off the replica's event loop. A 2k-token prompt takes
 # milliseconds to tokenize, and on the loop that time held up every other request's
 # arrival, body and stream chunks: on the H200, prefix hits (waves of eight 2k-token
-# prompts) spent 27 ms p50 between arrival and reaching the engine, mostly waiting for
-# each other's tokenizing. The Rust tokenizer releases the GIL, so prompts that
-# arrive together tokenize in parallel. Prompts shorter than `INLINE_PROMPT_CHARS`
+# prompts) spent 27.5 ms p50 from arrival to reaching the engine, mostly waiting for
+# each other's tokenizing, and 13.7 ms with it on threads (bench/results/README.md). The
+# Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel. Prompts shorter than `INLINE_PROMPT_CHARS`
 # cost less than the hop to a thread and back.
 TOKENIZE_THREADS = 4
 INLINE_PROMPT_CHARS = 256

@@ -2,8 +2,8 @@
 
 `LLMEngine` is synchronous: one caller drives it (its only helper thread processes a
 step's tokens while the caller waits in MLX, and with an `output_sink` hands the outputs
-on from there). `AsyncEngine` (async_engine.py) runs it on
-a background thread for servers.
+on from there). `AsyncEngine` (async_engine.py) runs it on a background thread or in a
+process of its own for servers.
 """
 
 import gc

@@ -3,11 +3,12 @@ server's process or in an engine process of its own (engine_process.py).
 
 Commands come in between steps: `("add", request_id, kwargs)` (`LLMEngine.add_request`'s
 arguments, and `stream_interval_s` and `max_chunks_per_s` for the `OutputPacer`),
-`("abort", request_id)`, `("stop",)`. Each turn of the loop reports what happened as one list of events:
-`("ready", info)` or `("start_failed", error)` once; then `("rejected", request_id,
-error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], reason)`,
+`("abort", request_id)`, `("stop",)`. Each turn of the loop reports what happened as one
+list of events: `("ready", info)` or `("start_failed", error)` once; then `("rejected",
+request_id, error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], reason)`,
 `("stats", dict)`, `("hashes", [bytes])`; at the end `("dead", reason)` or
-`("stopped",)`. `AsyncEngine` turns the events into its callers' streams.
+`("stopped",)`. A large step's outputs go earlier, with the stats, in a list of their
+own (`_send_outputs`). `AsyncEngine` turns the events into its callers' streams.
 """
 
 import logging
