@@ -41,6 +41,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -95,8 +96,15 @@ def _metrics_sampler(base: str):
 
     def sample() -> dict:
         text = httpx.get(base + "/metrics", timeout=10).text
-        return {k: metric(text, k) or 0.0 for k in KV_GAUGES}
+        return {**{k: metric(text, k) or 0.0 for k in KV_GAUGES}, "step_time_counts": step_time_counts(text)}
     return sample
+
+
+def step_time_counts(metrics_text: str) -> list[int]:
+    """The engine step-duration histogram of a `/metrics` page, as a count per bucket."""
+    cumulative = [float(v) for v in re.findall(
+        r"^mlx_paged_serve:engine_step_duration_seconds_bucket\{[^}]*\} ([0-9.e+-]+)$", metrics_text, re.M)]
+    return [int(b - a) for a, b in zip([0.0, *cumulative], cumulative)]
 
 
 @contextmanager
@@ -132,7 +140,8 @@ def bare_engine(model: str, engine: dict, extra: dict):
     def sample() -> dict:
         s = eng.stats()
         return {"kv_cache_bytes_in_use": s["kv_cache_bytes_in_use"], "num_requests_running": s["running"],
-                "kv_cache_bytes_saved_by_sharing": s["kv_cache_bytes_saved_by_sharing"]}
+                "kv_cache_bytes_saved_by_sharing": s["kv_cache_bytes_saved_by_sharing"],
+                "step_time_counts": s["step_time_counts"]}
     try:
         yield Target("ours-bare-engine", lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine, engine process")
     finally:
@@ -268,6 +277,7 @@ def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
         row["kv_bytes_peak_sampled"] = max(x["kv_cache_bytes_in_use"] for x in samples)
         row["kv_bytes_steady"] = float(np.median([x["kv_cache_bytes_in_use"] for x in busy])) if busy else 0.0
         row["kv_bytes_saved_by_sharing_peak"] = max(x["kv_cache_bytes_saved_by_sharing"] for x in samples)
+        row.update(step_times(samples[0].get("step_time_counts"), samples[-1].get("step_time_counts")))
     if s["failed"] and target.log is not None:
         row["server_log_tail"] = target.log.read_text(errors="replace")[-2000:]
     fail = f"  FAILED {s['failed']}: {s['errors'][:1]}" if s["failed"] else ""
@@ -275,6 +285,20 @@ def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
           f" {row['output_tok_s']:9.1f} tok/s  TTFT p50 {_ms(row['ttft_p50_s'])} p95 {_ms(row['ttft_p95_s'])}"
           f"  TPOT p50 {_ms(row['tpot_p50_s'])}  client CPU {row['client_cpu_frac'] or 0:4.0%}{fail}", flush=True)
     return row
+
+
+def step_times(first: list[int] | None, last: list[int] | None) -> dict:
+    """The engine steps between two samples by duration (`STEP_TIME_BOUNDS_S` buckets),
+    and how many took over 160 ms: such a step holds up every request waiting for the
+    engine loop's turn (in `to_engine` of the TTFT split)."""
+    from runtime.engine import STEP_TIME_BOUNDS_S
+
+    if not first or not last or len(first) != len(last):
+        return {}
+    counts = [b - a for a, b in zip(first, last)]
+    slow = sum(n for lower, n in zip(STEP_TIME_BOUNDS_S, counts[1:]) if lower >= 0.16)
+    return {"engine_step_time_bounds_s": list(STEP_TIME_BOUNDS_S), "engine_step_time_counts": counts,
+            "engine_steps_over_160ms": slow}
 
 
 def _ms(x) -> str:

@@ -10,7 +10,7 @@ summed over the replicas heard from recently.
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 P = "mlx_paged_serve:"
 _LAT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -73,11 +73,28 @@ class _ReplicaStats:
             c = CounterMetricFamily(P + name, doc, labels=labels)
             c.add_metric([self.model_name], sum(s.get(key, 0) for s in live))
             yield c
+        yield self._step_times(live, labels)
         for name, (key, doc) in self.PER_REPLICA.items():
             c = CounterMetricFamily(P + name, doc, labels=labels + ["replica"])
             for s in live:
                 c.add_metric([self.model_name, s["replica_id"]], s.get(key, 0))
             yield c
+
+
+    def _step_times(self, live: list[dict], labels: list[str]) -> HistogramMetricFamily:
+        """The engines' step durations, summed over replicas: the steps that stall a
+        loop (and every request waiting for its turn) land in the top buckets."""
+        h = HistogramMetricFamily(P + "engine_step_duration_seconds", "Duration of engine steps.",
+                                  labels=labels)
+        with_steps = [s for s in live if s.get("step_time_counts")]
+        bounds = with_steps[0]["step_time_bounds_s"] if with_steps else ()
+        counts = [sum(c) for c in zip(*(s["step_time_counts"] for s in with_steps))] or [0]
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, bounds), "+Inf"], counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        h.add_metric([self.model_name], buckets, sum(s.get("step_seconds_total", 0.0) for s in with_steps))
+        return h
 
 
 class Metrics:

@@ -6,6 +6,7 @@ on from there). `AsyncEngine` (async_engine.py) runs it on a background thread o
 process of its own for servers.
 """
 
+import bisect
 import gc
 import itertools
 import logging
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 # worker thread and back would cost about what it saves. Measured on an H200 (1B model,
 # decode steps): 1.08x faster steps at 32 sequences, 1.35x at 128, 1.25x at 256.
 OVERLAP_MIN_SEQS = 32
+# Upper bounds (seconds) of the step-duration histogram in `stats()`. A step normally
+# takes milliseconds; one that stalls the loop (a kernel compiled or an attention plan
+# built on first use, a swap) holds up every request waiting for its turn.
+STEP_TIME_BOUNDS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
 @dataclass
@@ -107,6 +112,8 @@ class LLMEngine:
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
                           "step_failures": 0}
+        self._step_counts = [0] * (len(STEP_TIME_BOUNDS_S) + 1)   # the last: slower than all bounds
+        self._step_seconds = 0.0
         mx.random.seed(config.seed)
         # The model, tokenizer and pool bookkeeping live as long as the process; left in
         # the collector's generations, every full collection walks them again (about
@@ -209,6 +216,15 @@ class LLMEngine:
         one queued before it, so host work (detokenizing, stop checks, scheduling)
         overlaps device work. A sequence whose sampling needs its history on the host
         (penalties) makes the engine finish the step in flight first."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            took = time.perf_counter() - t0
+            self._step_seconds += took
+            self._step_counts[bisect.bisect_left(STEP_TIME_BOUNDS_S, took)] += 1
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._undelivered = self._undelivered, []
         if self._inflight is not None and any(s.params.needs_history for s in self.scheduler.running):
             outputs += self._finish_step(self._inflight)
@@ -403,6 +419,9 @@ class LLMEngine:
             "generation_tokens": self._counters["generation_tokens"],
             "requests_finished": self._counters["requests_finished"],
             "step_failures": self._counters["step_failures"],
+            "step_time_bounds_s": STEP_TIME_BOUNDS_S,
+            "step_time_counts": list(self._step_counts),
+            "step_seconds_total": self._step_seconds,
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.attention_backend,
             "device_memory_active_bytes": mx.get_active_memory(),

@@ -201,6 +201,30 @@ def test_async_engine_times_the_way_to_the_engine_and_back(async_engine):
     assert sum(parts.values()) <= seen
 
 
+def test_engine_counts_its_steps_by_duration(default_model, monkeypatch):
+    """Every step lands in one bucket of `stats()`'s step-duration histogram, by how
+    long it took; a step that stalls lands past the bounds, and the bench counts it
+    among the steps over 160 ms."""
+    from bench.compare import step_times
+    from runtime.engine import STEP_TIME_BOUNDS_S
+
+    eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128))
+    eng.add_request("a", "The miller", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    before = eng.stats()
+    assert sum(before["step_time_counts"]) == steps and before["step_seconds_total"] > 0
+    assert list(before["step_time_bounds_s"]) == list(STEP_TIME_BOUNDS_S)
+    monkeypatch.setattr(eng, "_step", lambda: time.sleep(1.5) or [])   # a stall past every bound
+    eng.step()
+    after = eng.stats()
+    assert after["step_time_counts"][-1] == before["step_time_counts"][-1] + 1
+    slow = step_times(before["step_time_counts"], after["step_time_counts"])
+    assert slow["engine_steps_over_160ms"] == 1 and sum(slow["engine_step_time_counts"]) == 1
+
+
 def test_serve_bench_engine_backend_counts_every_token(async_engine):
     from bench import serve_bench as sb
 

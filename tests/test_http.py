@@ -10,8 +10,10 @@ import httpx
 import openai
 import pytest
 
+from bench.compare import step_time_counts
 from bench.serve_bench import parse_server_timing
 from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime.engine import STEP_TIME_BOUNDS_S
 
 from .serving import ServeRun, app, engine_pids, live_pids, metric, process_env, replica_pids
 
@@ -315,6 +317,13 @@ def test_metrics_after_traffic(server, front, client):
     assert metric(text, "num_step_failures_total") == 0
     assert metric(text, "kv_cache_usage_perc") is not None
     assert metric(text, "num_requests_waiting") is not None
+    # The engine's steps by duration: the two requests took at least 2 x 4 of them.
+    steps = metric(text, "engine_step_duration_seconds_count") - (
+        metric(before, "engine_step_duration_seconds_count") or 0)
+    assert steps >= 8 and 0 < metric(text, "engine_step_duration_seconds_sum")
+    counts = step_time_counts(text)
+    assert len(counts) == len(STEP_TIME_BOUNDS_S) + 1 and sum(counts) == metric(
+        text, "engine_step_duration_seconds_count")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
