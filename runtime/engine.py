@@ -35,7 +35,11 @@ log = logging.getLogger(__name__)
 
 # Steps sampling fewer sequences process their tokens inline, where the hand-off to the
 # worker thread and back would cost about what it saves. Measured on an H200 (1B model,
-# decode steps): 1.08x faster steps at 32 sequences, 1.35x at 128, 1.25x at 256.
+# decode steps): 1.08x faster steps at 32 sequences, 1.35x at 128, 1.25x at 256. On MLX's
+# CPU backend, queuing a step computes it, so with an `output_sink` every step hands off:
+# inline, a step's outputs would wait for the next step's compute, a whole prefill of new
+# arrivals at times (served, 16 streams on the 2-core CI host: TTFT p50 209 against 588
+# ms, 722 against 622 tok/s).
 OVERLAP_MIN_SEQS = 32
 # Upper bounds (seconds) of the step-duration histogram in `stats()`. A step normally
 # takes milliseconds; one that stalls the loop (a kernel compiled or an attention plan
@@ -114,6 +118,9 @@ class LLMEngine:
                           "step_failures": 0}
         self._step_counts = [0] * (len(STEP_TIME_BOUNDS_S) + 1)   # the last: slower than all bounds
         self._step_seconds = 0.0
+        # MLX's CPU backend computes a step when it is queued (`mx.async_eval` returns
+        # after it), where a GPU's returns once the kernels are encoded.
+        self._queue_computes = mx.default_device() == mx.cpu
         mx.random.seed(config.seed)
         # The model, tokenizer and pool bookkeeping live as long as the process; left in
         # the collector's generations, every full collection walks them again (about
@@ -263,7 +270,8 @@ class LLMEngine:
         # before any hand-off: returning from an MLX call takes the GIL back, and the
         # worker holds it while it runs.
         self.runner.wait()
-        if len(tokens) < OVERLAP_MIN_SEQS:
+        hand_off = len(tokens) >= OVERLAP_MIN_SEQS or (self.output_sink is not None and self._queue_computes)
+        if not hand_off:
             self.runner.queue(then)
             return self._process(pending, tokens)
         if self._worker is None:

@@ -136,3 +136,26 @@ def test_a_large_steps_outputs_leave_while_the_next_step_is_queued(default_model
     eng.close()
     assert got == want
     assert any(during_queue) and returned > 0   # large steps early; the last, inline, from step()
+
+
+def test_small_steps_hand_off_where_queuing_computes(default_model):
+    """On MLX's CPU backend queuing a step computes it, so with a sink even a step of
+    one sequence hands its outputs on from the worker while the next is queued; on a
+    GPU, a small step processes inline."""
+    cfg = EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLMEngine(cfg).generate(["The miller"], p)[0].outputs[0].token_ids
+    eng = LLMEngine(cfg)
+    got, from_worker = [], []
+
+    def sink(outputs):
+        from_worker.append(threading.current_thread() is not threading.main_thread())
+        got.extend(t for o in outputs for t in o.outputs[0].delta_token_ids)
+
+    eng.output_sink = sink
+    eng.add_request("r", "The miller", p)
+    while eng.has_unfinished_requests():
+        got.extend(t for o in eng.step() for t in o.outputs[0].delta_token_ids)
+    eng.close()
+    assert got == want
+    assert any(from_worker) == eng._queue_computes
