@@ -174,7 +174,8 @@ def build_app(args: AppArgs) -> serve.Application:
             opts["max_queued_requests"] = max(max_requests, OVERLOAD_MARGIN)
         colocated = serve.deployment(ColocatedServer, name="OpenAIServer", **opts)
         return colocated.bind(server_args, settings, max_requests)
-    server = serve.deployment(LLMServer, name="LLMServer", **_options(args.llm_server, LLM_SERVER_MAX_ONGOING, env))
+    server = serve.deployment(LLMServer, name="LLMServer",
+                              **_options(args.llm_server, LLM_SERVER_MAX_ONGOING, env))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress",
                                **_options(args.ingress, INGRESS_MAX_ONGOING, env))
     return ingress.bind(server.bind(**server_args), settings)

@@ -37,8 +37,8 @@ log = logging.getLogger("ray.serve")
 # arrival, body and stream chunks: on the H200, prefix hits (waves of eight 2k-token
 # prompts) spent 27.5 ms p50 from arrival to reaching the engine, mostly waiting for
 # each other's tokenizing, and 13.7 ms with it on threads (bench/results/README.md). The
-# Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel. Prompts shorter than `INLINE_PROMPT_CHARS`
-# cost less than the hop to a thread and back.
+# Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel.
+# Prompts shorter than `INLINE_PROMPT_CHARS` cost less than the hop to a thread and back.
 TOKENIZE_THREADS = 4
 INLINE_PROMPT_CHARS = 256
 
@@ -136,18 +136,20 @@ class OpenAIIngress:
             return base if not body.cache_salt else f"{base}:{body.cache_salt}"
         return body.cache_salt
 
-    async def _encode(self, text: str) -> list[int]:
-        if len(text) < INLINE_PROMPT_CHARS:
-            return self.tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.tokenizer.encode, text)
-
-    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The chat template's token ids, made on a tokenizer thread when the
-        conversation is long (templating and tokenizing it takes milliseconds)."""
-        make = partial(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt)
-        if sum(len(m["content"] or "") for m in messages) < INLINE_PROMPT_CHARS:
+    async def _tokenize(self, make, num_chars: int) -> list[int]:
+        """`make()`'s token ids, made on a tokenizer thread when the text is long."""
+        if num_chars < INLINE_PROMPT_CHARS:
             return make()
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, make)
+
+    async def _encode(self, text: str) -> list[int]:
+        return await self._tokenize(partial(self.tokenizer.encode, text), len(text))
+
+    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The chat template's token ids (templating and tokenizing a long conversation
+        takes milliseconds)."""
+        return await self._tokenize(partial(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt),
+                                    sum(len(m["content"] or "") for m in messages))
 
     async def _check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Validates length and vocabulary; returns the effective max_tokens."""

@@ -118,10 +118,16 @@ class EngineLoop:
         counted. Only one of the two threads emits at a time: the main thread emits
         between steps. (A small step's outputs come back from `step()` and leave with
         the turn's other events: one message a turn.)"""
-        self._failures = 0
-        outputs = self.pacer.release(outputs, time.monotonic())
+        outputs = self._release(outputs)
         if outputs:
             emit([("outputs", outputs), ("stats", self.engine.stats())])
+
+    def _release(self, outputs: list) -> list:
+        """A step's outputs, paced: the ones to send now. Outputs prove the engine works."""
+        if not outputs:   # a step only launched proves nothing yet
+            return outputs
+        self._failures = 0
+        return self.pacer.release(outputs, time.monotonic())
 
     def _step(self, events: list) -> None:
         try:
@@ -136,8 +142,6 @@ class EngineLoop:
                 self.pacer.drop(rid)
             events.append(("failed", failed, repr(e)))
             return
-        if outputs:   # a step only launched proves nothing yet
-            self._failures = 0
-            outputs = self.pacer.release(outputs, time.monotonic())
+        outputs = self._release(outputs)
         if outputs:
             events.append(("outputs", outputs))
