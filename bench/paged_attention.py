@@ -52,6 +52,15 @@ def time_backend(name: str, batch: int, context: int, args) -> dict:
             "kv_bytes": kv_bytes, "kv_bytes_per_s": kv_bytes / per_call}
 
 
+def write_results(out: Path, args: argparse.Namespace, rows: list[dict], **meta) -> None:
+    """`{"meta": ..., "rows": rows}` to `out`; meta has the device, MLX and the arguments."""
+    meta = {"device": str(mx.default_device()), "mlx": mx.__version__, **meta,
+            **{k: v for k, v in vars(args).items() if k != "out"}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
 def parse_geometry_args(ap: argparse.ArgumentParser, argv, name: str) -> tuple[argparse.Namespace, Path]:
     """Adds the options the attention benchmarks share (geometry, dtype, output) and
     parses. Returns the arguments, with the dtype resolved for this device, and the
@@ -94,11 +103,7 @@ def main(argv=None):
         print(f"{r['context']:7d} | {r['batch']:5d} | {r['backend']:>7} | {r['us_per_call']:9.1f} | "
               f"{r['kv_bytes_per_s'] / 1e9:8.1f} | {r['fraction_of_copy_bandwidth']:10.1%} | "
               f"{r['speedup_vs_gather']:.2f}x")
-    meta = {"device": str(mx.default_device()), "mlx": mx.__version__, "copy_bandwidth_bytes_s": bandwidth,
-            **{k: v for k, v in vars(args).items() if k != "out"}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(out, args, rows, copy_bandwidth_bytes_s=bandwidth)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ the additive mask, and none. Times are medians of back-to-back calls.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.paged_attention import parse_geometry_args  # noqa: E402
+from bench.paged_attention import parse_geometry_args, write_results  # noqa: E402
 from runtime.attention import gather  # noqa: E402
 from runtime.attention.metadata import flatten, make_group  # noqa: E402
 
@@ -39,12 +38,22 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def prefill_cases(args) -> tuple[list[tuple[int, int, int]], mx.array, mx.array]:
+    """`--cases` as (batch, queries, context), and random K and V pools that hold them."""
+    cases = [tuple(map(int, c.split("x"))) for c in args.cases]
+    slots = max(b * -(-ctx // args.block_size) for b, _, ctx in cases) * args.block_size
+    shape = (slots, args.kv_heads, args.head_dim)
+    k_pool, v_pool = (mx.random.normal(shape).astype(getattr(mx, args.dtype)) for _ in range(2))
+    mx.eval(k_pool, v_pool)
+    return cases, k_pool, v_pool
+
+
 def run_case(batch: int, queries: int, context: int, pad: bool, k_pool, v_pool, args) -> dict:
     bs, dtype = args.block_size, k_pool.dtype
     per = -(-context // bs)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     g = make_group(*flatten(tables), [context - queries] * batch, [queries] * batch,
-                   np.full(batch, context), 0, bs, pad=pad)
+                   np.full(batch, context), 0, bs, plan_per_shape=pad, unfused_max_queries=0)
     b, lq = g.query_pos.shape
     q = mx.random.normal((b, args.heads, lq, args.head_dim)).astype(dtype)
     scale = args.head_dim ** -0.5
@@ -76,11 +85,7 @@ def main(argv=None):
                     help="BATCHxQUERIESxCONTEXT, each run padded (as on CUDA) and not")
     ap.add_argument("--repeats", type=int, default=20)
     args, out = parse_geometry_args(ap, argv, "prefill_mask")
-    cases = [tuple(map(int, c.split("x"))) for c in args.cases]
-    slots = max(b * -(-ctx // args.block_size) for b, _, ctx in cases) * args.block_size
-    shape = (slots, args.kv_heads, args.head_dim)
-    k_pool, v_pool = (mx.random.normal(shape).astype(getattr(mx, args.dtype)) for _ in range(2))
-    mx.eval(k_pool, v_pool)
+    cases, k_pool, v_pool = prefill_cases(args)
     rows = [run_case(b, lq, ctx, pad, k_pool, v_pool, args) for b, lq, ctx in cases for pad in (True, False)]
     print(f"{args.heads} heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype}, "
           f"{mx.default_device()}; ms per call (one layer)")
@@ -91,11 +96,7 @@ def main(argv=None):
         print(f"{case:>14} | {'x'.join(map(str, r['shape'])) if r['padded'] else '-':>16} | "
               f"{r['attend_group_ms']:7.3f} | {r['gather_ms']:7.3f} | {r['sdpa_bool_mask_ms']:7.3f} | "
               f"{r['sdpa_additive_mask_ms']:8.3f} | {r['sdpa_no_mask_ms']:7.3f} | {r['bool_over_additive']:.2f}x")
-    meta = {"device": str(mx.default_device()), "mlx": mx.__version__,
-            **{k: v for k, v in vars(args).items() if k != "out"}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(out, args, rows)
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ class ModelRunner:
         log.info("attention backend %s (%s)", self.attention_backend, why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
-        # Shape-bucketed prefill attention where new shapes cost a plan build (CUDA).
-        self.pad_prefill = paged_kernel.available("cuda")
+        # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
+        # to few shapes or does without it (`make_group`).
+        self.plan_per_shape = paged_kernel.available("cuda")
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE
@@ -130,7 +131,7 @@ class ModelRunner:
             return self.decode_graph(inputs, tables, starts)
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,
-                                       pad_prefill=self.pad_prefill)
+                                       plan_per_shape=self.plan_per_shape)
         split = self._split_head if split_head is None else split_head
         rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)

@@ -10,7 +10,7 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.attention import build_metadata, check_backend, gather, resolve_backend
-from runtime.attention import paged_kernel
+from runtime.attention import metadata, paged_kernel
 from runtime.attention import decode_problem
 
 from .conftest import reference_greedy
@@ -113,10 +113,12 @@ def test_decode_groups_split_by_length_only_for_padding_backends():
 
 def test_prefill_groups_are_padded_to_power_of_two_shapes():
     """Fused attention plans per shape (on CUDA, up to a second for each new one), so a
-    prefill group's sequences, queries and key blocks are padded to powers of two, and
-    the real rows map back in packed order."""
+    long prefill group's sequences, queries and key blocks are padded to powers of two,
+    and the real rows map back in packed order. (The limit is lowered so that a small
+    group counts as long.)"""
     tables = [[3, 4], [7]]
-    meta = build_metadata(tables, [10, 6], [5, 3], 16, pad_prefill=True)
+    meta = build_metadata(tables, [10, 6], [5, 3], 16, plan_per_shape=True, unfused_max_queries=4)
+    assert not meta.groups[0].unfused
     (g,) = meta.groups
     assert g.block_tables.shape == (2, 4) and g.query_pos.shape == (2, 16)
     assert g.mask.shape == (2, 1, 16, 64)
@@ -126,13 +128,51 @@ def test_prefill_groups_are_padded_to_power_of_two_shapes():
     assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]
 
 
+def test_short_prefill_groups_go_unfused_and_unpadded_where_shapes_cost_plans():
+    """Under per-shape plans, a group of up to UNFUSED_MAX_QUERIES queries a sequence
+    is attended unfused at its own shape; past that it is padded and fused. Without
+    per-shape plans neither happens."""
+    limit = metadata.UNFUSED_MAX_QUERIES
+    tables, starts = [list(range(20)), list(range(20, 30))], [150, 140]
+    (short,) = build_metadata(tables, starts, [limit, 3], 16, plan_per_shape=True).groups
+    assert short.unfused and short.query_pos.shape == (2, limit) and short.block_tables.shape == (2, 20)
+    (long_,) = build_metadata(tables, starts, [limit + 1, 3], 16, plan_per_shape=True).groups
+    assert not long_.unfused and long_.query_pos.shape == (2, 2 * limit) and long_.block_tables.shape == (2, 32)
+    (plain,) = build_metadata(tables, starts, [limit, 3], 16).groups
+    assert not plain.unfused and plain.query_pos.shape == (2, limit)
+    decode = build_metadata(tables, starts, [1, 1], 16, plan_per_shape=True).groups
+    assert not any(g.unfused for g in decode)
+
+
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2), (mx.float16, 2e-3)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+def test_unfused_prefill_matches_fused(dtype, tol, heads, kv_heads):
+    """The unfused way (matmuls, float32 softmax) gives fused SDPA's output on ragged
+    prefill groups: sequences of different lengths and contexts, GQA, padding queries."""
+    rng = np.random.default_rng(1)
+    bs, d = 16, 32
+    k_pool, v_pool = (mx.array(rng.standard_normal((64 * bs, kv_heads, d)), dtype=dtype) for _ in range(2))
+    tables = [[5, 9, 2, 40], [7, 8, 12], [11, 3]]
+    starts, lengths = [40, 33, 26], [9, 14, 2]
+    fused, unfused = (build_metadata(tables, starts, lengths, bs, plan_per_shape=p).groups for p in (False, True))
+    assert [g.unfused for g in unfused] == [True] and [g.unfused for g in fused] == [False]
+    (gf,), (gu,) = fused, unfused
+    b, lq = gu.query_pos.shape
+    q = mx.array(rng.standard_normal((b, heads, lq, d)), dtype=dtype)
+    want = gather.attend_group(q, k_pool, v_pool, gf, d ** -0.5, bs).astype(mx.float32)
+    got = gather.attend_group(q, k_pool, v_pool, gu, d ** -0.5, bs).astype(mx.float32)
+    valid = (np.arange(lq)[None] < np.asarray(lengths)[:, None])[:, None, :, None]
+    err = mx.abs(got - want) * mx.array(valid)
+    assert float(err.max().item()) <= tol
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_additive_mask_attends_as_the_boolean_one(dtype):
     """gather hands SDPA the mask as 0 / lowest value in the query's dtype (CUDA's fused
     attention runs boolean masks several times slower): the outputs match the boolean
     mask's, and the mask is made once per group and dtype, shared by every layer."""
     tables = [[3, 4], [7]]
-    (g,) = build_metadata(tables, [10, 6], [5, 3], 16, pad_prefill=True).groups
+    (g,) = build_metadata(tables, [10, 6], [5, 3], 16, plan_per_shape=True, unfused_max_queries=0).groups
     add = g.additive_mask(dtype)
     assert add is g.additive_mask(dtype) and add.dtype == dtype and add.shape == g.mask.shape
     assert mx.array_equal(add == 0, g.mask)

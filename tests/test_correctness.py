@@ -12,6 +12,7 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
+from runtime.attention import metadata
 
 from .conftest import needs_rope16_launch, reference_greedy
 
@@ -161,13 +162,16 @@ def test_priority_runs_first(default_model):
     assert order == ["high", "low"]
 
 
-def test_shape_padded_prefill_matches(arch):
-    """Prefill padded to power-of-two shapes (what the engine does on CUDA), forced on
-    here: ragged prompts chunked several to a step still give mlx-lm's tokens and
-    logprobs."""
+@pytest.mark.parametrize("unfused_max_queries", [0, metadata.UNFUSED_MAX_QUERIES])
+def test_prefill_under_per_shape_plans_matches(arch, monkeypatch, unfused_max_queries):
+    """What the engine does on CUDA, forced on here: prefill padded to power-of-two
+    shapes (every group, with the limit at 0) or attended unfused (these chunks, all
+    under the default limit). Ragged prompts chunked several to a step still give
+    mlx-lm's tokens and logprobs."""
+    monkeypatch.setattr(metadata, "UNFUSED_MAX_QUERIES", unfused_max_queries)
     name, path = arch
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, max_num_batched_tokens=40))
-    engine.runner.pad_prefill = True
+    engine.runner.plan_per_shape = True
     rng = random.Random(3)
     prompts = [_prompt(rng, n) for n in (3, 50, 17, 33)]
     for ids, out in zip(prompts, engine.generate(prompts, _params())):

@@ -18,6 +18,12 @@ import mlx.core as mx
 import numpy as np
 
 SPLIT_RATIO = 0.5
+# Where MLX's fused attention builds a plan per input shape (CUDA), a prefill group of
+# at most this many queries a sequence (prefix-cache hits, chat turns) is attended by two
+# matmuls instead: no plan, so no padding either. The plan costs 40-75 ms for each shape
+# a process meets first; the matmuls cost about what fused attention does up to 64
+# queries, and 1.5x at 128 (H200, Llama-3.2-1B geometry, `bench/prefill_plans.py`).
+UNFUSED_MAX_QUERIES = 128
 
 
 @dataclass
@@ -30,8 +36,9 @@ class GroupMetadata:
     block_size) is true where a query may attend a key. `query_rows` maps the (B, Lq)
     layout onto the group's rows and `out_rows` maps back; both are None when every
     sequence has one query or there is one unpadded sequence (the layout is the packed
-    order). A shape-padded prefill group (`make_group(pad=True)`) has B, Lq and
-    max_blocks rounded up to powers of two; its padding sequences have context 1.
+    order). A shape-padded prefill group (`make_group(plan_per_shape=True)`) has B, Lq
+    and max_blocks rounded up to powers of two; its padding sequences have context 1.
+    `unfused` groups are attended without fused attention (see `UNFUSED_MAX_QUERIES`).
     """
 
     row_start: int
@@ -43,6 +50,7 @@ class GroupMetadata:
     mask: mx.array
     query_rows: mx.array | None = None
     out_rows: mx.array | None = None
+    unfused: bool = False
     _additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -110,21 +118,25 @@ def causal_mask(query_pos: mx.array, width: int, block_size: int) -> mx.array:
     return (keys[None, None, :] <= query_pos[:, :, None])[:, None]
 
 
-def make_group(blocks, widths, starts, lengths, ctx, row0, block_size, pad: bool = False) -> GroupMetadata:
+def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
+               plan_per_shape: bool = False, unfused_max_queries: int | None = None) -> GroupMetadata:
     """One group: sequences' block tables (flat, with widths: `flatten`), first new
     positions, new-token counts and context lengths (a numpy array), its first packed
     row.
 
-    With `pad`, a multi-token (prefill) group is padded to power-of-two sizes in
-    sequences, queries and key blocks: MLX's fused attention on CUDA builds a plan per
-    input shape (40 ms to a second for each new one), and ragged prefill would bring
-    new shapes every step. Padding queries sit at position 0 and see key 0; their
-    outputs are dropped through `out_rows`. Metal and CPU pay nothing per shape, so
-    there padding would only add work."""
+    `plan_per_shape` says MLX's fused attention builds a plan per input shape (CUDA: 40
+    ms to a second for each new one), and ragged prefill would bring new shapes every
+    step. A multi-token (prefill) group of up to `unfused_max_queries` (by default
+    `UNFUSED_MAX_QUERIES`) queries a sequence is then `unfused`; a longer one is padded to power-of-two sizes in
+    sequences, queries and key blocks. Padding queries sit at position 0 and see key 0;
+    their outputs are dropped through `out_rows`. Metal and CPU pay nothing per shape,
+    so there padding would only add work."""
     n = len(lengths)
     lq = max(lengths)
     rows_n, lq_n, width = n, lq, int(widths.max())
-    if pad and lq > 1:
+    limit = UNFUSED_MAX_QUERIES if unfused_max_queries is None else unfused_max_queries
+    unfused = plan_per_shape and 1 < lq <= limit
+    if plan_per_shape and lq > max(1, limit):
         rows_n, lq_n, width = bucket(n, 1), bucket(lq, 16), bucket(width, 4)
     bt = padded_tables(blocks, widths, rows_n, width)
     lens = np.asarray(lengths)
@@ -147,16 +159,17 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size, pad: bool
         block_tables=mx.array(bt), query_pos=qpos_m,
         context_lens=mx.array(context), max_context_len=int(ctx.max()),
         mask=causal_mask(qpos_m, width, block_size),
-        query_rows=qrows, out_rows=out_rows,
+        query_rows=qrows, out_rows=out_rows, unfused=unfused,
     )
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
                    block_size: int, split_decodes: bool = True,
-                   pad_prefill: bool = False) -> AttentionMetadata:
+                   plan_per_shape: bool = False, unfused_max_queries: int | None = None) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
-    one-token sequences in one group, for backends that do not pad; `pad_prefill`
-    pads prefill groups to power-of-two shapes (see `make_group`). Vectorized over
+    one-token sequences in one group, for backends that do not pad; `plan_per_shape`
+    pads long prefill groups to power-of-two shapes and attends short ones unfused
+    (see `make_group`). Vectorized over
     tokens: the per-sequence Python work is flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
@@ -167,7 +180,7 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     table_at = np.concatenate([[0], np.cumsum(widths)])
     slots = flat[table_at[:-1][seq_of_row] + positions // block_size] * block_size + positions % block_size
     groups = [make_group(flat[table_at[a]:table_at[b]], widths[a:b], starts[a:b], lengths[a:b], ctx[a:b],
-                         int(row_of[a]), block_size, pad_prefill)
+                         int(row_of[a]), block_size, plan_per_shape, unfused_max_queries)
               for a, b in _group_bounds(lengths, ctx, split_decodes)]
     return AttentionMetadata(mx.array(positions.astype(np.int32)), mx.array(slots.astype(np.int32)),
                              groups, block_size)

@@ -1,0 +1,93 @@
+"""Prefill attention where MLX's fused attention builds a plan per input shape (CUDA):
+fused SDPA on power-of-two padded shapes, against two matmuls and a softmax, unpadded.
+
+Each case is one prefill group as the runner builds it (`build_metadata`): `batch`
+sequences, each `queries` new tokens at the end of a `context`-token context in the
+block pool, through `paged_attention` with `gather` (which the CUDA kernel backend
+uses for prefill too). Per case and way, the first call (for `fused`, the plan build of
+a shape this process has not met yet) and the median of back-to-back calls; `chosen`
+is the way the runner takes (`UNFUSED_MAX_QUERIES`). On a device without per-shape
+plans, fused runs unpadded and its first call builds nothing.
+
+    python bench/prefill_plans.py                                   # CPU-sized
+    python bench/prefill_plans.py --heads 32 --kv-heads 8 --cases 1x64x2112 2x64x2112 \\
+        4x64x2112 8x64x2112 8x16x2112 8x32x2112 8x128x2112 8x256x2112 8x512x2112 \\
+        1x256x2112 8x64x8192 32x64x2112 64x64x1024 1x1024x4096 4x2112x2112   # 1B shape, GPU
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from bench.paged_attention import parse_geometry_args, write_results  # noqa: E402
+from bench.prefill_mask import prefill_cases  # noqa: E402
+from runtime.attention import build_metadata, gather, metadata, paged_attention, paged_kernel  # noqa: E402
+
+WAYS = {"fused": 0, "unfused": 1 << 30}     # the `unfused_max_queries` that forces each
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(first call, median of the next `repeats`) in ms."""
+    t = time.perf_counter()
+    mx.eval(fn())
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return first * 1e3, statistics.median(times) * 1e3
+
+
+def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> dict:
+    bs, dtype = args.block_size, k_pool.dtype
+    per = -(-context // bs)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    starts, lengths = [context - queries] * batch, [queries] * batch
+    q = mx.random.normal((batch * queries, args.heads, 1, args.head_dim)).astype(dtype)
+    scale = args.head_dim ** -0.5
+    plans = paged_kernel.available("cuda")
+    chosen = "unfused" if plans and 1 < queries <= metadata.UNFUSED_MAX_QUERIES else "fused"
+    r = {"batch": batch, "queries": queries, "context": context, "chosen": chosen}
+    outs = {}
+    for way, limit in WAYS.items():
+        meta = build_metadata(tables, starts, lengths, bs, plan_per_shape=plans or way == "unfused",
+                              unfused_max_queries=limit)
+        (g,) = meta.groups
+        r[f"{way}_shape"] = [*g.query_pos.shape, int(g.block_tables.shape[1]) * bs]
+        fn = lambda: paged_attention(q, k_pool, v_pool, meta, scale, gather.attend_group)  # noqa: E731
+        r[f"{way}_first_ms"], r[f"{way}_ms"] = timed(fn, args.repeats)
+        outs[way] = fn().astype(mx.float32)
+    r["max_abs_diff"] = float(mx.abs(outs["unfused"] - outs["fused"]).max().item())
+    r["unfused_over_fused"] = r["unfused_ms"] / r["fused_ms"]
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["2x16x256", "4x32x256", "1x64x512"],
+                    help="BATCHxQUERIESxCONTEXT")
+    ap.add_argument("--repeats", type=int, default=20)
+    args, out = parse_geometry_args(ap, argv, "prefill_plans")
+    cases, k_pool, v_pool = prefill_cases(args)
+    rows = [run_case(b, lq, ctx, k_pool, v_pool, args) for b, lq, ctx in cases]
+    print(f"{args.heads} heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype}, "
+          f"{mx.default_device()}; ms per call (one layer)")
+    print(f"{'case':>12} | {'fused shape':>14} | {'fused first':>11} | {'fused':>6} | {'unfused first':>13} | "
+          f"{'unfused':>7} | {'ratio':>5} | chosen  | max diff")
+    for r in rows:
+        case = f"{r['batch']}x{r['queries']}x{r['context']}"
+        print(f"{case:>12} | {'x'.join(map(str, r['fused_shape'])):>14} | {r['fused_first_ms']:11.2f} | "
+              f"{r['fused_ms']:6.3f} | {r['unfused_first_ms']:13.2f} | {r['unfused_ms']:7.3f} | "
+              f"{r['unfused_over_fused']:5.2f} | {r['chosen']:7} | {r['max_abs_diff']:.2g}")
+    write_results(out, args, rows, unfused_max_queries=metadata.UNFUSED_MAX_QUERIES)
+
+
+if __name__ == "__main__":
+    main()
