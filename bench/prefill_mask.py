@@ -4,7 +4,8 @@ it now hands SDPA, and SDPA without a mask as a floor.
 Each case is one prefill group as the runner builds it (`make_group`, padded to
 power-of-two shapes on CUDA): `batch` sequences, each `queries` new tokens at the end of
 a `context`-token context in the block pool. Per case: the whole `gather.attend_group`
-call, the gather of K/V alone, and SDPA over the gathered K/V with the boolean mask,
+call, the gather of K/V alone (as `gather_kv` does it on this device, and by MLX
+indexing, the portable way), and SDPA over the gathered K/V with the boolean mask,
 the additive mask, and none. Times are medians of back-to-back calls.
 
     python bench/prefill_mask.py                                  # CPU-sized
@@ -65,13 +66,14 @@ def run_case(batch: int, queries: int, context: int, pad: bool, k_pool, v_pool, 
     def sdpa(mask):
         return lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    def gather_only():
-        return [mx.contiguous(gather.gather_kv(p, g.block_tables, bs)) for p in (k_pool, v_pool)]
+    def gather_only(fn=gather.gather_kv):
+        return lambda: [mx.contiguous(fn(p, g.block_tables, bs)) for p in (k_pool, v_pool)]
 
     r = {"batch": batch, "queries": queries, "context": context, "padded": pad,
          "shape": [b, lq, int(g.block_tables.shape[1]) * bs],
          "attend_group_ms": median_ms(lambda: gather.attend_group(q, k_pool, v_pool, g, scale, bs), args.repeats),
-         "gather_ms": median_ms(gather_only, args.repeats),
+         "gather_ms": median_ms(gather_only(), args.repeats),
+         "gather_indexing_ms": median_ms(gather_only(gather.gather_by_indexing), args.repeats),
          "sdpa_bool_mask_ms": median_ms(sdpa(g.mask), args.repeats),
          "sdpa_additive_mask_ms": median_ms(sdpa(additive), args.repeats),
          "sdpa_no_mask_ms": median_ms(sdpa(None), args.repeats)}
@@ -89,12 +91,13 @@ def main(argv=None):
     rows = [run_case(b, lq, ctx, pad, k_pool, v_pool, args) for b, lq, ctx in cases for pad in (True, False)]
     print(f"{args.heads} heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype}, "
           f"{mx.default_device()}; ms per call (one layer)")
-    print(f"{'case':>14} | {'padded to':>16} | {'attend':>7} | {'gather':>7} | {'bool':>7} | "
+    print(f"{'case':>14} | {'padded to':>16} | {'attend':>7} | {'gather':>7} | {'by index':>8} | {'bool':>7} | "
           f"{'additive':>8} | {'none':>7} | bool/additive")
     for r in rows:
         case = f"{r['batch']}x{r['queries']}x{r['context']}"
         print(f"{case:>14} | {'x'.join(map(str, r['shape'])) if r['padded'] else '-':>16} | "
-              f"{r['attend_group_ms']:7.3f} | {r['gather_ms']:7.3f} | {r['sdpa_bool_mask_ms']:7.3f} | "
+              f"{r['attend_group_ms']:7.3f} | {r['gather_ms']:7.3f} | {r['gather_indexing_ms']:8.3f} | "
+              f"{r['sdpa_bool_mask_ms']:7.3f} | "
               f"{r['sdpa_additive_mask_ms']:8.3f} | {r['sdpa_no_mask_ms']:7.3f} | {r['bool_over_additive']:.2f}x")
     write_results(out, args, rows)
 

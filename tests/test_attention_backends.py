@@ -83,6 +83,21 @@ def test_cuda_kernel_matches_gather(dtype, tol, batch, context, heads, kv_heads,
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype, kv_heads, head_dim", [(mx.bfloat16, 8, 64), (mx.float32, 2, 32),
+                                                       (mx.float16, 4, 128)])
+def test_cuda_block_gather_matches_indexing(dtype, kv_heads, head_dim):
+    """On CUDA `gather_kv` copies blocks with a kernel of its own: the same K/V as MLX's
+    indexing, for repeated, padded (block 0) and shuffled block tables."""
+    rng = np.random.default_rng(4)
+    pool = mx.array(rng.standard_normal((50 * 16, kv_heads, head_dim)), dtype=dtype)
+    tables = mx.array(np.concatenate([rng.permutation(50)[:24], [0] * 8, [7] * 8]).reshape(5, 8).astype(np.int32))
+    got = gather.gather_kv(pool, tables, 16)
+    want = gather.gather_by_indexing(pool, tables, 16)
+    assert got.shape == want.shape == (5, kv_heads, 128, head_dim)
+    assert mx.array_equal(got, want).item()
+
+
+@needs_cuda
 def test_cuda_self_check_passes():
     ok, why = check_backend("cuda", 32, 8, 64, 16, mx.bfloat16)
     assert "differs" not in why and "failed" not in why, why

@@ -20,10 +20,11 @@ import numpy as np
 SPLIT_RATIO = 0.5
 # Where MLX's fused attention builds a plan per input shape (CUDA), a prefill group of
 # at most this many queries a sequence (prefix-cache hits, chat turns) is attended by two
-# matmuls instead: no plan, so no padding either. A plan cost 62-80 ms for each shape a
-# process met first; the matmuls' first call 1.4-11 ms, and once warm 0.9-1.6x fused
-# attention's time (1.06x for 8 hits of 64 tokens over 2k; H200, Llama-3.2-1B geometry,
-# `bench/prefill_plans.py`). Longer groups cost 1.7-3x unfused.
+# matmuls instead: no plan, so no padding either. A plan cost 40-66 ms for each shape a
+# process met first; the matmuls' first call 1-9 ms, and once warm 1.2-2.2x fused
+# attention's time (1.47x, +0.25 ms a layer, for 8 hits of 84 tokens over 2k; H200,
+# Llama-3.2-1B geometry, `bench/prefill_plans.py`): a stall per new shape traded for a
+# few milliseconds a hit step. Longer groups cost 1.4-3.4x unfused.
 UNFUSED_MAX_QUERIES = 128
 
 
