@@ -14,7 +14,8 @@ through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shi
 `configs/config.yaml` colocates front and engine in one replica; opt-in `ours-ray-nice`:
 the app with its engine left at the niceness Ray gives its workers (15) instead of 0;
 opt-in `ours-separate-loop`: the app's handlers on an event loop of their own, Ray's
-default, instead of the loop where Ray receives the replica's requests.
+default, instead of the loop where Ray receives the replica's requests; opt-in
+`ours-lean-serve`: every Ray process of the app with `LEAN_SERVE_ENV`.
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -107,11 +108,19 @@ def step_time_counts(metrics_text: str) -> list[int]:
     return [int(b - a) for a, b in zip([0.0, *cumulative], cumulative)]
 
 
+# Three of the settings Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, without its
+# gRPC and direct ingress (measured on their own): Serve's router on its caller's loop,
+# request-path logs buffered, no logs to stderr.
+LEAN_SERVE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+                  "RAY_SERVE_LOG_TO_STDERR": "0"}
+
+
 @contextmanager
-def ours(model: str, engine: dict, name: str, extra: dict, front: str = "proxy", **app_args):
+def ours(model: str, engine: dict, name: str, extra: dict, front: str = "proxy", env: dict | None = None,
+         **app_args):
     from tests.serving import ServeRun
 
-    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, front=front)
+    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, front=front, env=env)
     try:
         yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
                      f"serve run, start-up {run.startup_s:.0f} s")
@@ -710,6 +719,9 @@ def main(argv=None):
             cap = float(name.removeprefix("ours-chunks-"))
             with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:
                 variant_sweep(t, wl, args, f"{cap:g} chunks/s", keep, max_stream_chunks_per_s=cap)
+        elif name == "ours-lean-serve":
+            with ours(model, engine, "ours", extra, env=LEAN_SERVE_ENV) as t:
+                variant_sweep(t, wl, args, "lean Serve settings", keep, lean_serve=True)
         elif name == "ours-separate-loop":
             with ours(model, engine, "ours", extra, share_replica_loop=False) as t:
                 variant_sweep(t, wl, args, "handlers on a loop of their own", keep, share_replica_loop=False)

@@ -53,10 +53,12 @@ def start(name: str, stack: ExitStack, model: str, engine: dict, extra: dict, to
         return stack.enter_context(compare.bare_engine(model, engine, extra))
     if name == "ours-grpc":   # Serve's proxy calls the replica over gRPC (RAY_SERVE_PROXY_USE_GRPC=1)
         return stack.enter_context(compare.ours(model, engine, "ours-grpc", extra, front="grpc"))
+    if name == "ours-lean-serve":   # Serve's router on its caller's loop, request logs buffered
+        return stack.enter_context(compare.ours(model, engine, name, extra, env=compare.LEAN_SERVE_ENV))
     if name == "ours-engine-threads-1":   # the engine process keeps Ray's OMP_NUM_THREADS=1
         return stack.enter_context(compare.ours(model, engine, name, extra, engine_threads=1))
-    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine, ours-grpc "
-                     "or ours-engine-threads-1")
+    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine, ours-grpc, "
+                     "ours-lean-serve or ours-engine-threads-1")
 
 
 def paired(rows: list[dict], point: str, a: str, b: str, key: str, op) -> float | None:
@@ -82,9 +84,11 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
                                                 lambda a, b: 1 - a / b)
             s["serve_ttft_p50_added_s"] = paired(rows, p, "ours", "ours-bare-engine", "ttft_p50_s",
                                                  lambda a, b: a - b)
-        if "ours-grpc" in systems and "ours" in systems:
-            s["grpc_ttft_p50_change_s"] = paired(rows, p, "ours-grpc", "ours", "ttft_p50_s", lambda a, b: a - b)
-            s["grpc_throughput_ratio"] = paired(rows, p, "ours-grpc", "ours", "output_tok_s", lambda a, b: a / b)
+        for name in systems:   # a variant of the app against the app as shipped
+            if name.startswith("ours-") and name != "ours-bare-engine" and "ours" in systems:
+                v = name.removeprefix("ours-")
+                s[f"{v}_ttft_p50_change_s"] = paired(rows, p, name, "ours", "ttft_p50_s", lambda a, b: a - b)
+                s[f"{v}_throughput_ratio"] = paired(rows, p, name, "ours", "output_tok_s", lambda a, b: a / b)
         for name in systems:   # where our TTFT goes: in the replica (request, first_token), outside it
             split = [x["ttft_split_p50_s"] for x in ok if x["point"] == p and x["system"] == name
                      and x.get("ttft_split_p50_s")]

@@ -82,26 +82,28 @@ class ServeRun:
     ATTEMPTS = 3
     INGRESS_PORTS = 4   # under HAProxy, room for this many replicas answering HTTP
 
-    def __init__(self, applications: list[dict], timeout: float = 180.0, front: str = "proxy"):
+    def __init__(self, applications: list[dict], timeout: float = 180.0, front: str = "proxy",
+                 env: dict | None = None):
         """`front`: what answers HTTP. "proxy": Serve's proxy, as shipped. "direct": Ray
         Serve's direct ingress (the one ingress replica serves HTTP itself, on the port
         picked here, so requests bypass the proxy Serve still starts). "haproxy": Serve's
         HAProxy mode (HAProxy on the HTTP port, in front of the ingress replicas' own
         ports; no Python proxy on the request path). "grpc": Serve's proxy, calling the
-        replicas over gRPC instead of Ray actor calls (`RAY_SERVE_PROXY_USE_GRPC=1`)."""
+        replicas over gRPC instead of Ray actor calls (`RAY_SERVE_PROXY_USE_GRPC=1`).
+        `env`: more environment for `serve run` and the Ray processes it starts."""
         if front not in ("proxy", "direct", "haproxy", "grpc"):
             raise ValueError(f"front: {front!r}")
         for attempt in range(self.ATTEMPTS):
             try:
-                self._start(applications, timeout, front)
+                self._start(applications, timeout, front, env or {})
                 return
             except RuntimeError as e:
                 if "Failed to bind to address" not in str(e) or attempt == self.ATTEMPTS - 1:
                     raise
 
-    def _start(self, applications: list[dict], timeout: float, front: str) -> None:
+    def _start(self, applications: list[dict], timeout: float, front: str, extra_env: dict) -> None:
         self.port = proxy_port = free_port()
-        env = serve_env()
+        env = {**serve_env(), **extra_env}
         self.dir = tempfile.mkdtemp(prefix="mps-serve-")
         if front == "grpc":
             env["RAY_SERVE_PROXY_USE_GRPC"] = "1"
