@@ -129,10 +129,10 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     `plan_per_shape` says MLX's fused attention builds a plan per input shape (CUDA: 40
     ms to a second for each new one), and ragged prefill would bring new shapes every
     step. A multi-token (prefill) group of up to `unfused_max_queries` (by default
-    `UNFUSED_MAX_QUERIES`) queries a sequence is then `unfused`; a longer one is padded to power-of-two sizes in
-    sequences, queries and key blocks. Padding queries sit at position 0 and see key 0;
-    their outputs are dropped through `out_rows`. Metal and CPU pay nothing per shape,
-    so there padding would only add work."""
+    `UNFUSED_MAX_QUERIES`) queries a sequence is then `unfused`; a longer one is padded
+    to power-of-two sizes in sequences, queries and key blocks. Padding queries sit at
+    position 0 and see key 0; their outputs are dropped through `out_rows`. Metal and
+    CPU pay nothing per shape, so there padding would only add work."""
     n = len(lengths)
     lq = max(lengths)
     rows_n, lq_n, width = n, lq, int(widths.max())
@@ -171,8 +171,8 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `plan_per_shape`
     pads long prefill groups to power-of-two shapes and attends short ones unfused
-    (see `make_group`). Vectorized over
-    tokens: the per-sequence Python work is flattening the block tables, once."""
+    (see `make_group`). Vectorized over tokens: the per-sequence Python work is
+    flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
     row_of = np.concatenate([[0], np.cumsum(lens)])
