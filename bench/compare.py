@@ -113,6 +113,51 @@ def step_time_counts(metrics_text: str) -> list[int]:
 # request-path logs buffered, no logs to stderr.
 LEAN_SERVE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
                   "RAY_SERVE_LOG_TO_STDERR": "0"}
+TWO_INGRESS = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Our app with one thing changed: `label` names its rows' workload, `setting` is
+    recorded in each row, `engine` updates the engine settings and `serve` is the rest
+    of `ours()`'s arguments (front, env, app arguments)."""
+
+    label: str
+    setting: dict
+    serve: dict
+    engine: dict | None = None
+
+
+VARIANTS = {
+    "ours-gather": Variant("attention=gather", {"attention_backend": "gather"}, {},
+                           {"attention_backend": "gather"}),
+    "ours-direct-ingress": Variant("direct ingress", {"direct_ingress": True}, {"front": "direct"}),
+    "ours-haproxy": Variant("HAProxy", {"front": "haproxy"}, {"front": "haproxy"}),
+    "ours-grpc": Variant("proxy to replicas over gRPC", {"front": "grpc"}, {"front": "grpc"}),
+    "ours-2-ingress": Variant("2 ingress replicas", {"front": "proxy", "ingress_replicas": 2},
+                              {"colocate": False, "ingress": TWO_INGRESS}),
+    "ours-haproxy-2-ingress": Variant("HAProxy, 2 ingress replicas", {"front": "haproxy", "ingress_replicas": 2},
+                                      {"front": "haproxy", "colocate": False, "ingress": TWO_INGRESS}),
+    "ours-split": Variant("ingress and LLMServer apart", {"colocate": False}, {"colocate": False}),
+    "ours-lean-serve": Variant("lean Serve settings", {"lean_serve": True}, {"env": LEAN_SERVE_ENV}),
+    "ours-separate-loop": Variant("handlers on a loop of their own", {"share_replica_loop": False},
+                                  {"share_replica_loop": False}),
+    "ours-ray-nice": Variant("engine at Ray's nice 15", {"engine_nice": None}, {"engine_nice": None}),
+    "ours-engine-thread": Variant("engine on a thread", {"engine_process": False}, {"engine_process": False}),
+    "ours-engine-threads-1": Variant("engine at OMP_NUM_THREADS=1", {"engine_threads": 1}, {"engine_threads": 1}),
+}
+
+
+SYSTEMS = ("mlx_lm.server", "ours", "ours-bare-engine", "ours-no-apc", "vllm-mlx")
+
+
+def app_variant(name: str) -> Variant | None:
+    """The variant of our app a system name stands for (`ours-chunks-N`: the app with
+    `max_stream_chunks_per_s: N`); None for any other system."""
+    if name.startswith("ours-chunks-"):
+        cap = float(name.removeprefix("ours-chunks-"))
+        return Variant(f"{cap:g} chunks/s", {"max_stream_chunks_per_s": cap}, {"max_stream_chunks_per_s": cap})
+    return VARIANTS.get(name)
 
 
 @contextmanager
@@ -618,6 +663,9 @@ def main(argv=None):
                     help="which workloads to run (with --merge, only their rows are replaced)")
     ap.add_argument("--replot", action="store_true", help="only redo the headline and plot from the JSON")
     args = ap.parse_args(argv)
+    unknown = [s for s in args.systems if s not in SYSTEMS and app_variant(s) is None]
+    if unknown:
+        ap.error(f"unknown systems {unknown}: {', '.join(SYSTEMS)}, ours-chunks-N or {', '.join(VARIANTS)}")
     # A run stopped with SIGTERM (`timeout`, a job scheduler) must still stop the servers
     # it started: an orphaned one keeps its device memory and starves the next run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -694,43 +742,12 @@ def main(argv=None):
                 continue
             with vllm_mlx_server(vllm_exe, model, top, extra) as t:
                 run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate, keep)
-        elif name == "ours-gather":
-            if not cuda:
+        elif (v := app_variant(name)) is not None:
+            if name == "ours-gather" and not cuda:
                 skipped[name] = "no attention kernel on this device: 'auto' already runs gather here"
                 continue
-            with ours(model, {**engine, "attention_backend": "gather"}, "ours", extra) as t:
-                variant_sweep(t, wl, args, "attention=gather", keep, attention_backend="gather")
-        elif name == "ours-direct-ingress":
-            with ours(model, engine, "ours", extra, front="direct") as t:
-                variant_sweep(t, wl, args, "direct ingress", keep, direct_ingress=True)
-        elif name == "ours-haproxy":
-            with ours(model, engine, "ours", extra, front="haproxy") as t:
-                variant_sweep(t, wl, args, "HAProxy", keep, front="haproxy")
-        elif name in ("ours-2-ingress", "ours-haproxy-2-ingress"):
-            front = "haproxy" if name.startswith("ours-haproxy") else "proxy"
-            ingress = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0.2}}
-            with ours(model, engine, "ours", extra, front=front, colocate=False, ingress=ingress) as t:
-                label = "HAProxy, 2 ingress replicas" if front == "haproxy" else "2 ingress replicas"
-                variant_sweep(t, wl, args, label, keep, front=front, ingress_replicas=2)
-        elif name == "ours-split":
-            with ours(model, engine, "ours", extra, colocate=False) as t:
-                variant_sweep(t, wl, args, "ingress and LLMServer apart", keep, colocate=False)
-        elif name.startswith("ours-chunks-"):
-            cap = float(name.removeprefix("ours-chunks-"))
-            with ours(model, engine, "ours", extra, max_stream_chunks_per_s=cap) as t:
-                variant_sweep(t, wl, args, f"{cap:g} chunks/s", keep, max_stream_chunks_per_s=cap)
-        elif name == "ours-lean-serve":
-            with ours(model, engine, "ours", extra, env=LEAN_SERVE_ENV) as t:
-                variant_sweep(t, wl, args, "lean Serve settings", keep, lean_serve=True)
-        elif name == "ours-separate-loop":
-            with ours(model, engine, "ours", extra, share_replica_loop=False) as t:
-                variant_sweep(t, wl, args, "handlers on a loop of their own", keep, share_replica_loop=False)
-        elif name == "ours-ray-nice":
-            with ours(model, engine, "ours", extra, engine_nice=None) as t:
-                variant_sweep(t, wl, args, "engine at Ray's nice 15", keep, engine_nice=None)
-        elif name == "ours-engine-thread":
-            with ours(model, engine, "ours", extra, engine_process=False) as t:
-                variant_sweep(t, wl, args, "engine on a thread", keep, engine_process=False)
+            with ours(model, {**engine, **(v.engine or {})}, "ours", extra, **v.serve) as t:
+                variant_sweep(t, wl, args, v.label, keep, **v.setting)
         meta["poisson_rate_req_s"] = rate
         save(out, rows, meta)
         if len(rows) > n_before:

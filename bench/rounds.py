@@ -51,14 +51,10 @@ def start(name: str, stack: ExitStack, model: str, engine: dict, extra: dict, to
         return stack.enter_context(compare.ours(model, engine, "ours", extra))
     if name == "ours-bare-engine":
         return stack.enter_context(compare.bare_engine(model, engine, extra))
-    if name == "ours-grpc":   # Serve's proxy calls the replica over gRPC (RAY_SERVE_PROXY_USE_GRPC=1)
-        return stack.enter_context(compare.ours(model, engine, "ours-grpc", extra, front="grpc"))
-    if name == "ours-lean-serve":   # Serve's router on its caller's loop, request logs buffered
-        return stack.enter_context(compare.ours(model, engine, name, extra, env=compare.LEAN_SERVE_ENV))
-    if name == "ours-engine-threads-1":   # the engine process keeps Ray's OMP_NUM_THREADS=1
-        return stack.enter_context(compare.ours(model, engine, name, extra, engine_threads=1))
-    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine, ours-grpc, "
-                     "ours-lean-serve or ours-engine-threads-1")
+    if (v := compare.app_variant(name)) is not None:   # compare.VARIANTS
+        return stack.enter_context(compare.ours(model, {**engine, **(v.engine or {})}, name, extra, **v.serve))
+    raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine, ours-chunks-N or "
+                     f"{', '.join(compare.VARIANTS)}")
 
 
 def paired(rows: list[dict], point: str, a: str, b: str, key: str, op) -> float | None:
