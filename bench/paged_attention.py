@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.bench_continuous_vs_static import RESULTS, copy_bandwidth  # noqa: E402
-from runtime.attention import BACKENDS, KERNELS, decode_problem, paged_kernel  # noqa: E402
+from runtime.attention import BACKENDS, KERNELS, available, decode_problem  # noqa: E402
 
 
 def time_backend(name: str, batch: int, context: int, args) -> dict:
@@ -84,7 +84,7 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=10)
     args, out = parse_geometry_args(ap, argv, "paged_attention")
-    backends = ["gather"] + [n for n in KERNELS if paged_kernel.available(n)]
+    backends = ["gather"] + [n for n in KERNELS if available(n)]
     bandwidth = copy_bandwidth()
     rows = []
     for context in args.context:

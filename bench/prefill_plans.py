@@ -27,7 +27,7 @@ import mlx.core as mx  # noqa: E402
 
 from bench.paged_attention import parse_geometry_args, write_results  # noqa: E402
 from bench.prefill_mask import prefill_cases  # noqa: E402
-from runtime.attention import build_metadata, gather, metadata, paged_attention, paged_kernel  # noqa: E402
+from runtime.attention import available, build_metadata, gather, metadata, paged_attention  # noqa: E402
 
 WAYS = {"fused": 0, "unfused": 1 << 30}     # the `unfused_max_queries` that forces each
 
@@ -52,7 +52,7 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
     starts, lengths = [context - queries] * batch, [queries] * batch
     q = mx.random.normal((batch * queries, args.heads, 1, args.head_dim)).astype(dtype)
     scale = args.head_dim ** -0.5
-    plans = paged_kernel.available("cuda")
+    plans = available("cuda")
     chosen = "unfused" if plans and 1 < queries <= metadata.UNFUSED_MAX_QUERIES else "fused"
     r = {"batch": batch, "queries": queries, "context": context, "chosen": chosen}
     outs = {}

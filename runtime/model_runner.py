@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import PADDING_FREE, build_metadata, get_backend, install_hook, paged_kernel, resolve_backend
+from .attention import PADDING_FREE, available, build_metadata, get_backend, install_hook, resolve_backend
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
@@ -64,7 +64,7 @@ class ModelRunner:
         self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
         # to few shapes or does without it (`make_group`).
-        self.plan_per_shape = paged_kernel.available("cuda")
+        self.plan_per_shape = available("cuda")
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE

@@ -10,17 +10,17 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.attention import build_metadata, check_backend, gather, resolve_backend
-from runtime.attention import metadata, paged_kernel
+from runtime.attention import available, metadata, paged_kernel
 from runtime.attention import decode_problem
 
 from .conftest import reference_greedy
 
-needs_cuda = pytest.mark.skipif(not paged_kernel.available("cuda"),
+needs_cuda = pytest.mark.skipif(not available("cuda"),
                                 reason="needs MLX's CUDA backend as the default device")
 
 
 def test_auto_falls_back_to_gather_without_a_kernel():
-    if paged_kernel.available("cuda") or paged_kernel.available("metal"):
+    if available("cuda") or available("metal"):
         pytest.skip("a GPU kernel backend is present; auto may pick the kernel here")
     name, why = resolve_backend("auto", 8, 2, 64, 16, mx.float32)
     assert name == "gather" and "cuda: not available" in why and "metal: not available" in why

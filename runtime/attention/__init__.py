@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import gather, paged_kernel
+from .device import available
 from .metadata import AttentionMetadata, GroupMetadata, build_metadata, flatten, make_group, sort_key
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
 
 
 def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | None:
-    if not paged_kernel.available(name):
+    if not available(name):
         return f"not available on {mx.default_device()}"
     return paged_kernel.unsupported(heads, kv_heads, head_dim)
 
@@ -168,5 +169,5 @@ def install_hook(model) -> list[str]:
     return patched
 
 
-__all__ = ["AttentionMetadata", "GroupMetadata", "build_metadata", "check_backend", "get_backend",
+__all__ = ["AttentionMetadata", "GroupMetadata", "available", "build_metadata", "check_backend", "get_backend",
            "install_hook", "paged_attention", "resolve_backend", "sort_key", "BACKENDS", "PADDING_FREE"]

@@ -6,6 +6,7 @@ against it.
 
 import mlx.core as mx
 
+from .device import available
 from .metadata import GroupMetadata
 
 
@@ -63,8 +64,7 @@ def gather_kv(pool: mx.array, block_tables: mx.array, block_size: int) -> mx.arr
 
 
 def _gather_on_cuda(pool: mx.array) -> bool:
-    return (pool.shape[2] * pool.dtype.size) % 16 == 0 and mx.default_device() == mx.gpu \
-        and mx.cuda.is_available()
+    return (pool.shape[2] * pool.dtype.size) % 16 == 0 and available("cuda")
 
 
 def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,

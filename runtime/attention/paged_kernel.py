@@ -195,12 +195,6 @@ _kernels: dict[tuple[str, str], object] = {}
 _scales: dict[float, mx.array] = {}
 
 
-def available(dialect: str) -> bool:
-    """Is the default device a GPU with this kernel's backend (`cuda` or `metal`)?"""
-    backend = mx.cuda if dialect == "cuda" else mx.metal
-    return backend.is_available() and mx.default_device() == mx.gpu
-
-
 def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the kernel cannot serve this geometry, or None; `resolve_backend` then
     refuses the kernel for the model."""
