@@ -81,7 +81,7 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
             s["serve_ttft_p50_added_s"] = paired(rows, p, "ours", "ours-bare-engine", "ttft_p50_s",
                                                  lambda a, b: a - b)
         for name in systems:   # a variant of the app against the app as shipped
-            if name.startswith("ours-") and name != "ours-bare-engine" and "ours" in systems:
+            if compare.app_variant(name) is not None and "ours" in systems:
                 v = name.removeprefix("ours-")
                 s[f"{v}_ttft_p50_change_s"] = paired(rows, p, name, "ours", "ttft_p50_s", lambda a, b: a - b)
                 s[f"{v}_throughput_ratio"] = paired(rows, p, name, "ours", "output_tok_s", lambda a, b: a / b)

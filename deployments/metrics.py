@@ -80,7 +80,6 @@ class _ReplicaStats:
                 c.add_metric([self.model_name, s["replica_id"]], s.get(key, 0))
             yield c
 
-
     def _step_times(self, live: list[dict], labels: list[str]) -> HistogramMetricFamily:
         """The engines' step durations, summed over replicas: the steps that stall a
         loop (and every request waiting for its turn) land in the top buckets."""
