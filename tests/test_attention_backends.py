@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
-from runtime.attention import build_metadata, check_backend, gather, resolve_backend
+from runtime.attention import build_metadata, check_backend, gather, resolve_backend, sort_key
 from runtime.attention import available, metadata, paged_kernel
 from runtime.attention import decode_problem
 
@@ -148,15 +148,35 @@ def test_short_prefill_groups_go_unfused_and_unpadded_where_shapes_cost_plans():
     is attended unfused at its own shape; past that it is padded and fused. Without
     per-shape plans neither happens."""
     limit = metadata.UNFUSED_MAX_QUERIES
-    tables, starts = [list(range(20)), list(range(20, 30))], [150, 140]
+    tables, starts = [list(range(20)), list(range(20, 40))], [150, 140]
     (short,) = build_metadata(tables, starts, [limit, 3], 16, plan_per_shape=True).groups
     assert short.unfused and short.query_pos.shape == (2, limit) and short.block_tables.shape == (2, 20)
-    (long_,) = build_metadata(tables, starts, [limit + 1, 3], 16, plan_per_shape=True).groups
+    (long_,) = build_metadata(tables, starts, [limit + 1, limit + 1], 16, plan_per_shape=True).groups
     assert not long_.unfused and long_.query_pos.shape == (2, 2 * limit) and long_.block_tables.shape == (2, 32)
     (plain,) = build_metadata(tables, starts, [limit, 3], 16).groups
     assert not plain.unfused and plain.query_pos.shape == (2, limit)
     decode = build_metadata(tables, starts, [1, 1], 16, plan_per_shape=True).groups
     assert not any(g.unfused for g in decode)
+
+
+@pytest.mark.parametrize("plan_per_shape", [False, True])
+def test_prefix_hits_are_not_padded_to_a_new_prompt_beside_them(plan_per_shape):
+    """Prefill sequences are grouped by their number of new tokens as well as by
+    context: hits (a few new tokens over a cached prefix) and a whole prompt of about
+    the same context, in `sort_key` order, make two groups, and the hits' group is as
+    wide in queries as its longest hit (under per-shape plans: unfused). Decodes and
+    chunks within a class still share a group."""
+    hits = [(2100, 84), (2090, 64), (2080, 100)]        # (first new position, new tokens)
+    seqs = hits + [(0, 2112), (2000, 1), (1500, 1)]
+    seqs.sort(key=lambda s: sort_key(s[1], s[0] + s[1]))
+    assert [n for _, n in seqs] == [1, 1, 2112, 84, 100, 64]
+    starts, lengths = [s for s, _ in seqs], [n for _, n in seqs]
+    tables = [list(range(i * 140, i * 140 + -(-(s + n) // 16))) for i, (s, n) in enumerate(seqs)]
+    groups = build_metadata(tables, starts, lengths, 16, split_decodes=False, plan_per_shape=plan_per_shape).groups
+    assert [(g.row_start, g.row_end) for g in groups] == [(0, 2), (2, 2114), (2114, 2362)]
+    assert groups[2].query_pos.shape == (3, 100) and groups[2].unfused == plan_per_shape
+    assert not groups[1].unfused
+    assert [metadata.query_class(n) for n in (1, 64, 128, 129, 256, 257)] == [7, 7, 7, 8, 8, 9]
 
 
 @pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2), (mx.float16, 2e-3)])

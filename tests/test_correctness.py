@@ -12,6 +12,7 @@ import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
+from runtime import model_runner
 from runtime.attention import metadata
 
 from .conftest import needs_rope16_launch, reference_greedy
@@ -228,3 +229,28 @@ def test_compiled_decode_matches(arch):
     assert engine.stats()["num_blocks_held_by_requests"] == 0
     for i, p in enumerate(prompts):
         _check(engine, outs[f"r{i}"], p, TOL[name])
+
+
+def test_prefix_hits_beside_a_new_prompt_in_one_step_match(arch, monkeypatch):
+    """Prefix hits and a whole new prompt of about their context, prefilled in one
+    step, are attended in groups of their own (the hits not padded to the prompt's
+    length), and each gives mlx-lm's tokens and logprobs."""
+    widths = []
+    build = model_runner.build_metadata
+
+    def spy(*args, **kwargs):
+        meta = build(*args, **kwargs)
+        widths.append([g.query_pos.shape[1] for g in meta.groups])
+        return meta
+
+    monkeypatch.setattr(model_runner, "build_metadata", spy)
+    name, path = arch
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=160, block_size=8, max_num_batched_tokens=1024))
+    rng = random.Random(13)
+    shared = _prompt(rng, 160)
+    engine.generate([shared + _prompt(rng, 3)], _params(1))
+    prompts = [shared + _prompt(rng, n) for n in (2, 5, 9)] + [_prompt(rng, 200)]
+    for ids, out in zip(prompts, engine.generate(prompts, _params())):
+        _check(engine, out, ids, TOL[name])
+    assert [200, 9] in widths
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
