@@ -94,8 +94,11 @@ def query_class(num_tokens: int) -> int:
 
 def sort_key(num_tokens: int, context_len: int) -> tuple[bool, int, int]:
     """The order the runner needs its sequences in: decodes, then prefill by query
-    class, longest first; each by context, longest first."""
-    return (num_tokens != 1, -query_class(num_tokens), -context_len)
+    class, longest first; each by context, longest first. Decodes, most of every step,
+    skip the class: it is the same for all of them."""
+    if num_tokens == 1:
+        return (False, 0, -context_len)
+    return (True, -query_class(num_tokens), -context_len)
 
 
 def _group_bounds(lengths: list[int], ctx: np.ndarray, split_decodes: bool) -> list[tuple[int, int]]:
