@@ -127,6 +127,10 @@ class Variant:
     serve: dict
     engine: dict | None = None
 
+    def app(self, model: str, engine: dict, name: str, extra: dict):
+        """`ours()` with this variant's changes, its target named `name`."""
+        return ours(model, {**engine, **(self.engine or {})}, name, extra, **self.serve)
+
 
 VARIANTS = {
     "ours-gather": Variant("attention=gather", {"attention_backend": "gather"}, {},
@@ -746,7 +750,7 @@ def main(argv=None):
             if name == "ours-gather" and not cuda:
                 skipped[name] = "no attention kernel on this device: 'auto' already runs gather here"
                 continue
-            with ours(model, {**engine, **(v.engine or {})}, "ours", extra, **v.serve) as t:
+            with v.app(model, engine, "ours", extra) as t:
                 variant_sweep(t, wl, args, v.label, keep, **v.setting)
         meta["poisson_rate_req_s"] = rate
         save(out, rows, meta)

@@ -52,7 +52,7 @@ def start(name: str, stack: ExitStack, model: str, engine: dict, extra: dict, to
     if name == "ours-bare-engine":
         return stack.enter_context(compare.bare_engine(model, engine, extra))
     if (v := compare.app_variant(name)) is not None:   # compare.VARIANTS
-        return stack.enter_context(compare.ours(model, {**engine, **(v.engine or {})}, name, extra, **v.serve))
+        return stack.enter_context(v.app(model, engine, name, extra))
     raise SystemExit(f"unknown system {name!r}: {ANCHOR}, ours, ours-bare-engine, ours-chunks-N or "
                      f"{', '.join(compare.VARIANTS)}")
 
