@@ -1,11 +1,12 @@
 """The smaller benchmarks: `process_cpu` names processes without this machine's paths
 and reads the window where the engine was busiest; `mixed_prefill` runs end to end and
-restores the shipped grouping after its other arm."""
+restores the shipped grouping after its other arm; `prefix_sweep` gives each length text
+of its own and hits the cache only with it on."""
 
 import json
 import sys
 
-from bench import mixed_prefill, process_cpu
+from bench import mixed_prefill, prefix_sweep, process_cpu
 from runtime.attention import metadata
 
 
@@ -51,3 +52,42 @@ def test_mixed_prefill_runs_both_groupings_and_restores_the_shipped_one(tmp_path
     rows = json.loads(out.read_text())["rows"]
     assert [r["grouping"] for r in rows] == list(mixed_prefill.ARMS)
     assert all(r["wave_ms"] > 0 and len(r["samples_ms"]["wave"]) == 1 for r in rows)
+
+
+def test_prefix_sweep_lengths_share_no_text():
+    from types import SimpleNamespace
+
+    from mlx_lm.utils import load_tokenizer
+    from runtime.models import default_model_path
+
+    tok = load_tokenizer(default_model_path())
+    a = SimpleNamespace(prefix_prompts=4, num_prefixes=2, suffix_len=4, prefix_output_len=2)
+    short = {r.prompt[:40] for r in prefix_sweep.workload(tok, a, 64, 3000)}
+    long = {r.prompt[:40] for r in prefix_sweep.workload(tok, a, 128, 3000)}
+    assert len(short) == len(long) == 2 and not short & long
+
+
+def test_prefix_sweep_summary_pairs_cache_off_over_on():
+    rows = [{"system": s, "prefix_len": n, "ttft_p50_s": t, "failed": 0}
+            for s, n, t in (("ours", 512, 0.1), ("ours-no-apc", 512, 0.6), ("ours-bare-engine", 512, 0.05),
+                            ("ours", 1024, 0.1), ("ours-no-apc", 1024, 1.2))]
+    s = prefix_sweep.summarize(rows)
+    assert abs(s["512"]["apc_speedup"] - 6.0) < 1e-9 and "apc_speedup_bare_engine" not in s["512"]
+    assert abs(s["1024"]["apc_speedup"] - 12.0) < 1e-9 and s["1024"]["ours_ttft_p50_s"] == 0.1
+
+
+def test_prefix_sweep_runs_the_bare_engine_with_the_cache_on_and_off(tmp_path):
+    prefix_sweep.main(["--systems", "ours-bare-engine", "ours-bare-engine-no-apc", "--prefix-lens", "48", "96",
+                       "--prefix-prompts", "6", "--prefix-concurrency", "2", "--num-prefixes", "2",
+                       "--kv-cache-gb", "0.05", "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "prefix_sweep_cpu.json").read_text())
+    got = {(r["system"], r["prefix_len"]): r for r in out["rows"]}
+    assert set(got) == {(s, n) for s in ("ours-bare-engine", "ours-bare-engine-no-apc") for n in (48, 96)}
+    for n in (48, 96):
+        on, off = got["ours-bare-engine", n], got["ours-bare-engine-no-apc", n]
+        assert on["completed"] == off["completed"] == 6
+        # Two streams can miss a prefix together at most once each: at least two of the
+        # six hit, on every whole block short of the prefix's last token.
+        assert on["cached_prompt_tokens"] >= 2 * 16 * ((n - 1) // 16) and off["cached_prompt_tokens"] == 0
+        assert out["summary"][str(n)]["apc_speedup_bare_engine"] > 0
+    assert (tmp_path / "prefix_sweep_cpu.png").exists()
