@@ -107,7 +107,8 @@ def median_row(runs: list[dict]) -> dict:
     return out
 
 
-def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None):
+def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None, finals: dict | None = None):
+    """`finals`: filled with each request's generated token ids, by its index in `reqs`."""
     pending = list(enumerate(reqs))
     submit, first, out_tokens = {}, {}, 0
     mx.reset_peak_memory()
@@ -132,6 +133,8 @@ def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None):
             first.setdefault(o.request_id, now)
             if o.finished:
                 out_tokens += len(o.outputs[0].token_ids)
+                if finals is not None:
+                    finals[int(o.request_id[1:])] = list(o.outputs[0].token_ids)
                 if pending:
                     launch()
     wall = time.perf_counter() - t0

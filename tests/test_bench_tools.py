@@ -1,12 +1,13 @@
 """The smaller benchmarks: `process_cpu` names processes without this machine's paths
 and reads the window where the engine was busiest; `mixed_prefill` runs end to end and
 restores the shipped grouping after its other arm; `prefix_sweep` gives each length text
-of its own and hits the cache only with it on."""
+of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
+still completes every request with the roomy run's tokens."""
 
 import json
 import sys
 
-from bench import mixed_prefill, prefix_sweep, process_cpu
+from bench import kv_budget, mixed_prefill, prefix_sweep, process_cpu
 from runtime.attention import metadata
 
 
@@ -91,3 +92,15 @@ def test_prefix_sweep_runs_the_bare_engine_with_the_cache_on_and_off(tmp_path):
         assert on["cached_prompt_tokens"] >= 2 * 16 * ((n - 1) // 16) and off["cached_prompt_tokens"] == 0
         assert out["summary"][str(n)]["apc_speedup_bare_engine"] > 0
     assert (tmp_path / "prefix_sweep_cpu.png").exists()
+
+
+def test_kv_budget_small_pools_preempt_and_lose_nothing(tmp_path):
+    kv_budget.main(["--streams", "4", "--requests", "8", "--fractions", "0.5", "0.3", "--no-dense",
+                    "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "kv_budget_cpu.json").read_text())
+    roomy, *tight = out["rows"]
+    assert roomy["preemptions"] == 0 and sum(r["preemptions"] for r in tight) > 0
+    for r in out["rows"]:
+        assert r["completed"] == r["requests_matching_roomy"] == 8 and r["blocks_held_after"] == 0
+    assert all(r["kv_bytes_pool"] < roomy["kv_bytes_peak"] for r in tight)
+    assert (tmp_path / "kv_budget_cpu.png").exists()
