@@ -2,12 +2,13 @@
 and reads the window where the engine was busiest; `mixed_prefill` runs end to end and
 restores the shipped grouping after its other arm; `prefix_sweep` gives each length text
 of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
-still completes every request with the roomy run's tokens."""
+still completes every request with the roomy run's tokens; `kv_sharing` computes a shared
+prefix once."""
 
 import json
 import sys
 
-from bench import kv_budget, mixed_prefill, prefix_sweep, process_cpu
+from bench import kv_budget, kv_sharing, mixed_prefill, prefix_sweep, process_cpu
 from runtime.attention import metadata
 
 
@@ -104,3 +105,17 @@ def test_kv_budget_small_pools_preempt_and_lose_nothing(tmp_path):
         assert r["completed"] == r["requests_matching_roomy"] == 8 and r["blocks_held_after"] == 0
     assert all(r["kv_bytes_pool"] < roomy["kv_bytes_peak"] for r in tight)
     assert (tmp_path / "kv_budget_cpu.png").exists()
+
+
+def test_kv_sharing_computes_a_shared_prefix_once(tmp_path):
+    kv_sharing.main(["--streams", "4", "--prefix-len", "64", "--suffix-len", "8", "--gen-len", "4", "--n", "4",
+                     "--no-dense", "--results-dir", str(tmp_path)])
+    rows = {(r["case"], r["system"]): r for r in json.loads((tmp_path / "kv_sharing_cpu.json").read_text())["rows"]}
+    shared, alone = rows["shared prefix", "ours"], rows["shared prefix", "ours-no-apc"]
+    assert shared["prompt_tokens"] == alone["prompt_tokens_computed"] == 4 * 72
+    assert shared["prompt_tokens_computed"] == 64 + 4 * 8       # the prefix once, then each suffix
+    # n = 4 completions of one 64-token prompt: the first computes it, the others its last block
+    # (a token of its own must be computed to sample from).
+    assert rows["parallel sampling", "ours"]["prompt_tokens_computed"] == 64 + 3 * 16
+    for case in ("shared prefix", "parallel sampling"):
+        assert rows[case, "ours"]["kv_bytes_peak"] < rows[case, "ours-no-apc"]["kv_bytes_peak"]
