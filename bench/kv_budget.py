@@ -14,7 +14,7 @@ Writes `bench/results/kv_budget_<tag>.json` and `.png`.
 
     python bench/kv_budget.py                                      # CPU, embedded model
     python bench/kv_budget.py --model llama-1b --tag gpu --streams 128 --prompt-len 512 \\
-        --gen-len 128 --requests 384
+        --gen-len 128 --requests 384 --roomy-kv-gb 16
 """
 
 import argparse
@@ -30,14 +30,11 @@ import mlx.core as mx  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine  # noqa: E402
 
-ROOMY_BYTES = 1 << 30
-
-
-def run_budget(model: str, reqs, streams: int, num_blocks: int | None) -> tuple[dict, dict]:
-    """One engine on a pool of `num_blocks` (None: roomy), run to completion: its row
-    and each request's tokens."""
+def run_budget(model: str, reqs, streams: int, num_blocks: int | None, roomy_bytes: int) -> tuple[dict, dict]:
+    """One engine on a pool of `num_blocks` (None: `roomy_bytes`), run to completion: its
+    row and each request's tokens."""
     cfg = EngineConfig(model=model, max_num_seqs=streams,
-                       **({"num_gpu_blocks": num_blocks} if num_blocks else {"kv_cache_memory_bytes": ROOMY_BYTES}))
+                       **({"num_gpu_blocks": num_blocks} if num_blocks else {"kv_cache_memory_bytes": roomy_bytes}))
     engine = LLMEngine(cfg)
     finals: dict[int, list[int]] = {}
     row = run_ours(engine, reqs, streams, "ours", finals=finals)
@@ -98,6 +95,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-len", type=int, default=64, help="mean; each output 1/4 to 7/4 of it")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.5, 0.35, 0.25],
                     help="pool sizes, as fractions of the roomy run's peak")
+    ap.add_argument("--roomy-kv-gb", type=float, default=1.0, help="the roomy run's pool: must not preempt")
     ap.add_argument("--no-dense", action="store_true", help="skip mlx-lm's BatchGenerator")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--replot", action="store_true", help="only redo the plot from the JSON")
@@ -113,7 +111,10 @@ def main(argv=None) -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     spec = argparse.Namespace(fixed=False, prompt_len=args.prompt_len, gen_len=args.gen_len)
     reqs = workload(args.requests, spec, vocab, seed=0)
-    roomy, want = run_budget(model, reqs, args.streams, None)
+    roomy_bytes = int(args.roomy_kv_gb * 2**30)
+    roomy, want = run_budget(model, reqs, args.streams, None, roomy_bytes)
+    if roomy["preemptions"]:
+        raise SystemExit(f"the roomy pool preempted {roomy['preemptions']} times: raise --roomy-kv-gb")
     roomy.update(pool="roomy", fraction_of_peak=None, requests_matching_roomy=len(want))
     rows = [roomy]
     per_block, block_size = roomy["bytes_per_block"], roomy["block_size"]
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
     need_one = max(-(-(len(p) + g) // block_size) for p, g in reqs)   # the engine refuses less
     for f in args.fractions:
         n = max(need_one, int(f * peak_blocks))
-        row, got = run_budget(model, reqs, args.streams, n)
+        row, got = run_budget(model, reqs, args.streams, n, roomy_bytes)
         row.update(pool=f"{f:g} of the roomy peak", fraction_of_peak=n / peak_blocks,
                    requests_matching_roomy=sum(got.get(i) == t for i, t in want.items()))
         rows.append(row)

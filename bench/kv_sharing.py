@@ -14,7 +14,8 @@ Each row: the peak KV bytes held, the prompt tokens computed, throughput and TTF
 Writes `bench/results/kv_sharing_<tag>.json`.
 
     python bench/kv_sharing.py                                     # CPU, embedded model
-    python bench/kv_sharing.py --model llama-1b --tag gpu --streams 64 --prefix-len 4096 --n 16
+    python bench/kv_sharing.py --model llama-1b --tag gpu --streams 64 --prefix-len 4096 --n 16 \\
+        --kv-cache-gb 16
 """
 
 import argparse
@@ -31,9 +32,6 @@ from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_mlx_lm,
 import mlx.core as mx  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-
-KV_BYTES = 1 << 30
-
 
 def requests(vocab: int, args) -> dict[str, list[tuple[list[int], int]]]:
     rng = random.Random(0)
@@ -61,7 +59,8 @@ def run_n(engine: LLMEngine, prompt: list[int], gen: int, n: int) -> dict:
 def ours(model: str, case: str, reqs, args, apc: bool) -> dict:
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(args.streams, args.n),
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=apc))
+                                    kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
+                                    enable_prefix_caching=apc))
     if case == "parallel sampling":
         row = run_n(engine, reqs[0][0], reqs[0][1], args.n)
     else:
@@ -94,6 +93,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0,
+                    help="room for every sequence unshared: no preemption in any row")
     ap.add_argument("--no-dense", action="store_true", help="skip mlx-lm's BatchGenerator")
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
