@@ -19,14 +19,13 @@ Writes `bench/results/kv_budget_<tag>.json` and `.png`.
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_mlx_lm, run_ours, workload  # noqa: E402
-import mlx.core as mx  # noqa: E402
+from bench.bench_continuous_vs_static import (  # noqa: E402
+    RESULTS, resolve_model, run_meta, run_mlx_lm, run_ours, workload)
 
 from runtime import EngineConfig, LLMEngine  # noqa: E402
 
@@ -145,8 +144,7 @@ def main(argv=None) -> None:
         print(f"  {'mlx-lm BatchGenerator':>22} peak KV {dense['kv_bytes_peak'] / 2**20:.2f} MiB, "
               f"{dense['output_tok_s']:.1f} tok/s, TTFT p50 {dense['ttft_p50_s'] * 1e3:.1f} ms")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": {k: v for k, v in vars(args).items() if k != "results_dir"}}
+    meta = run_meta(args)
     out.write_text(json.dumps({"meta": meta, "dense_mlx_lm": dense, "rows": rows}, indent=1))
     try:
         plot(rows, dense["kv_bytes_peak"] if dense else None, out.with_suffix(".png"), _title(meta))

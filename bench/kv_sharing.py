@@ -20,7 +20,6 @@ Writes `bench/results/kv_sharing_<tag>.json`.
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -28,8 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_mlx_lm, run_ours  # noqa: E402
-import mlx.core as mx  # noqa: E402
+from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_meta, run_mlx_lm, run_ours  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -128,8 +126,7 @@ def main(argv=None) -> None:
               f"{r['ttft_p50_s'] * 1e3:12.1f}")
     out = Path(args.results_dir) / f"kv_sharing_{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": {k: v for k, v in vars(args).items() if k != "results_dir"}}
+    meta = run_meta(args)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")

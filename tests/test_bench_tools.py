@@ -3,12 +3,12 @@ and reads the window where the engine was busiest; `mixed_prefill` runs end to e
 restores the shipped grouping after its other arm; `prefix_sweep` gives each length text
 of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
 still completes every request with the roomy run's tokens; `kv_sharing` computes a shared
-prefix once."""
+prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters."""
 
 import json
 import sys
 
-from bench import kv_budget, kv_sharing, mixed_prefill, prefix_sweep, process_cpu
+from bench import kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu
 from runtime.attention import metadata
 
 
@@ -119,3 +119,15 @@ def test_kv_sharing_computes_a_shared_prefix_once(tmp_path):
     assert rows["parallel sampling", "ours"]["prompt_tokens_computed"] == 64 + 3 * 16
     for case in ("shared prefix", "parallel sampling"):
         assert rows[case, "ours"]["kv_bytes_peak"] < rows[case, "ours-no-apc"]["kv_bytes_peak"]
+
+
+def test_prefill_stall_chunks_keep_running_streams_decoding(tmp_path):
+    prefill_stall.main(["--streams", "2", "--stream-prompt", "16", "--long-prompt", "600", "--budgets", "128",
+                        "--no-mlx-lm", "--results-dir", str(tmp_path)])
+    chunked, whole = json.loads((tmp_path / "prefill_stall_cpu.json").read_text())["rows"]
+    # 600 tokens at most 126 a step beside two decodes: five steps or more, and a token
+    # for each running stream in all but the step that queued before the prompt came.
+    assert chunked["steps_until_first_token"] >= 5
+    assert chunked["tokens_during_min"] >= chunked["steps_until_first_token"] - 2
+    assert whole["budget"] == 602 and whole["steps_until_first_token"] <= 3
+    assert chunked["tokens_during_min"] > whole["tokens_during_min"] + 2
