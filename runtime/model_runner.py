@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .attention import PADDING_FREE, available, build_metadata, get_backend, install_hook, resolve_backend
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
-from .kv.paged_cache import KVPool, PagedLayerCache, StepContext
+from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
 from .models.loader import kv_geometry
 from .outputs import Logprob
 from .sampling import SampleResult, sample
@@ -61,7 +61,8 @@ class ModelRunner:
                                                       block_size, dtype)
         log.info("attention backend %s (%s)", self.attention_backend, why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
-        self.caches = [PagedLayerCache(self.pool, i, self.ctx) for i in range(num_layers)]
+        self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1)
+                       for i in range(num_layers)]
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
         # to few shapes or does without it (`make_group`).
         self.plan_per_shape = available("cuda")
@@ -103,9 +104,10 @@ class ModelRunner:
         token still in flight (`PLACEHOLDER`) is read from `prev`'s sampled tokens on
         the device, so this step can be queued before the previous one is read back.
         A step of decodes only goes through the compiled decode graph when there is one."""
-        tables, starts, lengths, tokens, rows = [], [], [], [], []
+        tables, starts, lengths, tokens, rows, ends = [], [], [], [], [], []
         fill_rows, fill_src = [], []
         t = 0
+        self.ctx.sampled = None
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
@@ -120,6 +122,7 @@ class ModelRunner:
             t += s.num_tokens
             if s.samples:
                 rows.append(t - 1)
+                ends.append((end, len(tables) - 1))
         if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
             inputs = prev.result.tokens   # steady decode: last step's samples, in order
         else:
@@ -132,9 +135,20 @@ class ModelRunner:
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,
                                        plan_per_shape=self.plan_per_shape)
+        if rows and len(rows) < t:
+            self.ctx.sampled = self._sampled_rows(rows, ends, tables)
         split = self._split_head if split_head is None else split_head
         rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)
+
+    def _sampled_rows(self, rows: list[int], ends: list[tuple[int, int]], tables: list[list[int]]) -> SampledRows:
+        """The sampling rows as one-token queries over their whole contexts, longest
+        context first (the order `build_metadata` groups by)."""
+        order = sorted(range(len(rows)), key=lambda i: -ends[i][0])
+        meta = build_metadata([tables[ends[i][1]] for i in order], [ends[i][0] - 1 for i in order],
+                              [1] * len(rows), self.block_size, split_decodes=not self.padding_free,
+                              plan_per_shape=self.plan_per_shape)
+        return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta)
 
     def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
         """Build a step's graph, forward pass and sampling, lazily: nothing is queued on

@@ -14,6 +14,7 @@ from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
 from runtime import model_runner
 from runtime.attention import metadata
+from runtime.kv.paged_cache import PagedLayerCache
 
 from .conftest import needs_rope16_launch, reference_greedy
 
@@ -253,4 +254,35 @@ def test_prefix_hits_beside_a_new_prompt_in_one_step_match(arch, monkeypatch):
     for ids, out in zip(prompts, engine.generate(prompts, _params())):
         _check(engine, out, ids, TOL[name])
     assert [200, 9] in widths
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
+
+
+def test_last_layer_attends_for_sampling_rows_only(arch, monkeypatch):
+    """A step whose rows do not all sample (a prompt's chunks beside decodes) has its
+    last layer attend for the sampling rows alone, each as one query over its whole
+    context; every output still matches mlx-lm's tokens and logprobs."""
+    seen = []
+    attend = PagedLayerCache.attend
+
+    def spy(self, queries, scale, sinks=None):
+        if self.last and self.ctx.sampled is not None:
+            seen.append((queries.shape[0], self.ctx.sampled.rows.shape[0]))
+        return attend(self, queries, scale, sinks)
+
+    monkeypatch.setattr(PagedLayerCache, "attend", spy)
+    name, path = arch
+    engine = LLMEngine(EngineConfig(model=path, max_num_batched_tokens=24, num_gpu_blocks=64, block_size=8))
+    rng = random.Random(21)
+    prompts = {"early": _prompt(rng, 6), "long": _prompt(rng, 50), "mid": _prompt(rng, 17)}
+    done = {}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, None, _params(), prompt_token_ids=ids)
+        for _ in range(2):      # the next prompt arrives while this one decodes
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert done.keys() == prompts.keys()
+    for rid, ids in prompts.items():
+        _check(engine, done[rid], ids, TOL[name])
+    assert any(rows < t for t, rows in seen)       # a prompt chunk's rows left out
     assert engine.stats()["num_blocks_held_by_requests"] == 0

@@ -52,11 +52,24 @@ class KVPool:
 
 
 @dataclass
+class SampledRows:
+    """The rows of a step that sample, for the last layer: only their attention output
+    reaches the logits. `rows` (S,) index the packed batch; `meta` has each of them as
+    a one-token query over its sequence's whole context."""
+
+    rows: mx.array
+    meta: AttentionMetadata
+
+
+@dataclass
 class StepContext:
-    """What every layer cache reads during one forward pass."""
+    """What every layer cache reads during one forward pass. `sampled`: set when some
+    rows of the step do not sample (prefill chunks), so the last layer attends for the
+    sampling rows alone."""
 
     meta: AttentionMetadata | None = None
     attend_fn: AttendFn | None = None
+    sampled: SampledRows | None = None
 
 
 class PagedLayerCache:
@@ -64,10 +77,11 @@ class PagedLayerCache:
     layer of the pool. `attended` counts calls of `attend`, so the runner can tell
     whether a model really routed its attention through us."""
 
-    def __init__(self, pool: KVPool, layer: int, ctx: StepContext):
+    def __init__(self, pool: KVPool, layer: int, ctx: StepContext, last: bool = False):
         self.pool = pool
         self.layer = layer
         self.ctx = ctx
+        self.last = last
         self.attended = 0
 
     @property
@@ -85,9 +99,18 @@ class PagedLayerCache:
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """queries (T, H, 1, D) -> (T, H, 1, D). In the last layer of a step with rows that
+        do not sample, the other rows' outputs reach nothing but discarded hidden
+        states (their K/V are written above, from the projections alone): they are
+        left zero, and a prompt chunk's attention shrinks to its last query."""
         self.attended += 1
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
-                               self.ctx.meta, scale, self.ctx.attend_fn, sinks)
+        k, v, ctx = self.pool.keys[self.layer], self.pool.values[self.layer], self.ctx
+        if not self.last or ctx.sampled is None:
+            return paged_attention(queries, k, v, ctx.meta, scale, ctx.attend_fn, sinks)
+        rows = ctx.sampled.rows
+        out = mx.zeros(queries.shape, queries.dtype)
+        out[rows] = paged_attention(queries[rows], k, v, ctx.sampled.meta, scale, ctx.attend_fn, sinks)
+        return out
 
     def empty(self) -> bool:
         return False
