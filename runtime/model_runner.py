@@ -4,7 +4,7 @@ The batch is the step's new tokens of every scheduled sequence, packed as (T, 1)
 decodes and prefill chunks share the pass, with no padding in the projections or the
 MLP. Positions, slots and block tables come from the sequences' block ids. Logits are
 computed only for the rows that sample: the last token of each sequence that reaches
-its end this step.
+its end this step. The last layer attends only for them too (`SampledRows`).
 """
 
 import logging
