@@ -29,6 +29,7 @@ from bench.bench_continuous_vs_static import (  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine  # noqa: E402
 
+
 def run_budget(model: str, reqs, streams: int, num_blocks: int | None, roomy_bytes: int) -> tuple[dict, dict]:
     """One engine on a pool of `num_blocks` (None: `roomy_bytes`), run to completion: its
     row and each request's tokens."""

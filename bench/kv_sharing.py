@@ -31,6 +31,7 @@ from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_meta, r
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
+
 def requests(vocab: int, args) -> dict[str, list[tuple[list[int], int]]]:
     rng = random.Random(0)
     tokens = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
