@@ -186,7 +186,7 @@ def _wait_gone(pattern: str, timeout: float) -> None:
 
 
 @contextmanager
-def bare_engine(model: str, engine: dict, extra: dict):
+def bare_engine(model: str, engine: dict, extra: dict, name: str = "ours-bare-engine"):
     """The replica's engine without Ray Serve and HTTP: the same `AsyncEngine` with its
     loop in an engine process of its own, driven from this process's event loop. (With
     the loop on a thread here instead, the client's per-token work for hundreds of
@@ -201,7 +201,7 @@ def bare_engine(model: str, engine: dict, extra: dict):
                 "kv_cache_bytes_saved_by_sharing": s["kv_cache_bytes_saved_by_sharing"],
                 "step_time_counts": s["step_time_counts"]}
     try:
-        yield Target("ours-bare-engine", lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine, engine process")
+        yield Target(name, lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine, engine process")
     finally:
         eng.shutdown()
 

@@ -18,7 +18,6 @@ Writes `bench/results/prefix_sweep_<tag>.json` and `.png`.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -51,23 +50,10 @@ def start(name: str, model: str, engine: dict, extra: dict, top: int):
     if name == "ours-bare-engine":
         return compare.bare_engine(model, engine, extra)
     if name == "ours-bare-engine-no-apc":
-        return _renamed(compare.bare_engine(model, no_apc, extra), name)
+        return compare.bare_engine(model, no_apc, extra, name)
     if name == "mlx_lm.server":
         return compare.mlx_lm_server(model, top, extra)
     raise SystemExit(f"unknown system {name!r}: {', '.join(SYSTEMS)}")
-
-
-class _renamed:
-    """A system's context manager whose target reports under another name."""
-
-    def __init__(self, cm, name: str):
-        self.cm, self.name = cm, name
-
-    def __enter__(self):
-        return dataclasses.replace(self.cm.__enter__(), name=self.name)
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc)
 
 
 def workload(tok, a, prefix_len: int, seed: int):
