@@ -122,7 +122,7 @@ class ModelRunner:
             t += s.num_tokens
             if s.samples:
                 rows.append(t - 1)
-                ends.append((end, len(tables) - 1))
+                ends.append((end, tables[-1]))
         if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
             inputs = prev.result.tokens   # steady decode: last step's samples, in order
         else:
@@ -136,16 +136,17 @@ class ModelRunner:
                                        split_decodes=not self.padding_free,
                                        plan_per_shape=self.plan_per_shape)
         if rows and len(rows) < t:
-            self.ctx.sampled = self._sampled_rows(rows, ends, tables)
+            self.ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
         rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)
 
-    def _sampled_rows(self, rows: list[int], ends: list[tuple[int, int]], tables: list[list[int]]) -> SampledRows:
-        """The sampling rows as one-token queries over their whole contexts, longest
-        context first (the order `build_metadata` groups by)."""
+    def _sampled_rows(self, rows: list[int], ends: list[tuple[int, list[int]]]) -> SampledRows:
+        """The sampling rows (each sequence's end and block table in `ends`) as one-token
+        queries over their whole contexts, longest context first (the order
+        `build_metadata` groups by)."""
         order = sorted(range(len(rows)), key=lambda i: -ends[i][0])
-        meta = build_metadata([tables[ends[i][1]] for i in order], [ends[i][0] - 1 for i in order],
+        meta = build_metadata([ends[i][1] for i in order], [ends[i][0] - 1 for i in order],
                               [1] * len(rows), self.block_size, split_decodes=not self.padding_free,
                               plan_per_shape=self.plan_per_shape)
         return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta)
