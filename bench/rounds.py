@@ -128,6 +128,16 @@ def main(argv=None) -> None:
     warm = SimpleNamespace(concurrency=sorted({*args.concurrency, 16}), input_len=args.input_len,
                            range_ratio=args.range_ratio)
     rows = []
+    out = results / f"rounds_{args.tag}.json"
+    meta = {"args": compare._portable(vars(args)), "device": str(mx.default_device()),
+            "platform": platform.platform(), "mlx": mx.__version__, "cpus": os.cpu_count()}
+
+    def save() -> dict:
+        """Written after every round, so a run stopped early keeps the rounds it finished."""
+        summary = summarize(rows, args.systems)
+        out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+        return summary
+
     with ExitStack() as stack:
         targets = [start(name, stack, model, engine, extra, args.max_num_seqs) for name in args.systems]
         for t in targets:
@@ -145,17 +155,14 @@ def main(argv=None) -> None:
                                               lengths=random.Random(100_000 * (r + 1) + 1000 * i))
                     s = compare.measure(t, reqs, p["rate"] or math.inf, p["concurrency"], seed=r)
                     rows.append(compare.to_row(t, p["point"], s, round=r, point=p["point"]))
+            save()
 
-    summary = summarize(rows, args.systems)
+    summary = save()
     print("\nmedian over rounds:")
     for p, s in summary.items():
         for k, v in s.items():
             print(f"  {p:>10} {k:>34}: " + (", ".join(f"{a} {b:.4g}" for a, b in v.items())
                                             if isinstance(v, dict) else f"{v:.4g}" if v is not None else "n/a"))
-    out = results / f"rounds_{args.tag}.json"
-    meta = {"args": compare._portable(vars(args)), "device": str(mx.default_device()),
-            "platform": platform.platform(), "mlx": mx.__version__, "cpus": os.cpu_count()}
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 
