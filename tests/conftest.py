@@ -66,10 +66,10 @@ def reference_greedy(path, prompt_ids, max_tokens):
 @functools.lru_cache(maxsize=None)
 def rope_cannot_launch(head_dim: int, rows: int = 256) -> bool:
     """MLX 0.32's CUDA `mx.fast.rope` fails to launch (`cudaGraphAddKernelNode ...
-    invalid argument`) for head_dim 16 on a few hundred rows, whatever the offsets or
-    layout; head_dim 32 and 64 run. The test models have head_dim 16, so the tests that
-    pack that many rows into one step skip where this happens (real models are not
-    affected). False on the CPU and on Metal."""
+    invalid argument`) for head_dim 16 from 128 rows on (64 and 96 run), whatever the
+    offsets or layout; head_dim 32 and 64 run. The test models have head_dim 16, so the
+    tests that pack that many rows into one step skip where this happens (real models
+    are not affected). False on the CPU and on Metal."""
     x = mx.zeros((rows, 4, 1, head_dim))
     try:
         mx.eval(mx.fast.rope(x, head_dim, traditional=False, base=10000.0, scale=1.0, offset=0))
@@ -78,7 +78,7 @@ def rope_cannot_launch(head_dim: int, rows: int = 256) -> bool:
     return False
 
 
-# For tests that pack a few hundred rows of a head_dim-16 test model into one step.
+# For tests that pack 128 or more rows of a head_dim-16 test model into one step.
 needs_rope16_launch = pytest.mark.skipif(
-    rope_cannot_launch(16), reason="MLX's CUDA rope cannot launch head_dim 16 on a few hundred rows "
+    rope_cannot_launch(16), reason="MLX's CUDA rope cannot launch head_dim 16 on 128 rows or more "
                                    "(conftest.rope_cannot_launch)")

@@ -232,6 +232,7 @@ def test_compiled_decode_matches(arch):
         _check(engine, outs[f"r{i}"], p, TOL[name])
 
 
+@needs_rope16_launch
 def test_prefix_hits_beside_a_new_prompt_in_one_step_match(arch, monkeypatch):
     """Prefix hits and a whole new prompt of about their context, prefilled in one
     step, are attended in groups of their own (the hits not padded to the prompt's
