@@ -44,11 +44,17 @@ LLAMA_1B = dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, voca
 COMPILE = {"auto": None, "on": True, "off": False}
 
 
+def portable_args(args: dict) -> dict:
+    """A run's arguments as a result file records them: without the results folder, a
+    path of this machine."""
+    return {k: v for k, v in args.items() if k != "results_dir"}
+
+
 def run_meta(args) -> dict:
     """What a result file records of the run: model, device, platform, MLX and the
-    arguments (the results folder, a path of this machine, left out)."""
+    arguments (`portable_args`)."""
     return {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": {k: v for k, v in vars(args).items() if k != "results_dir"}}
+            "mlx": mx.__version__, "args": portable_args(vars(args))}
 
 
 def resolve_model(name: str) -> str:

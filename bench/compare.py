@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from bench import serve_bench as sb  # noqa: E402
-from bench.bench_continuous_vs_static import resolve_model  # noqa: E402
+from bench.bench_continuous_vs_static import portable_args, resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -622,7 +622,7 @@ def save(out: Path, rows: list[dict], meta: dict) -> None:
 
 def _portable(args: dict) -> dict:
     """The run's arguments without this machine's paths."""
-    out = {k: v for k, v in args.items() if k != "results_dir"}
+    out = portable_args(args)
     if out.get("vllm_mlx"):
         out["vllm_mlx"] = Path(out["vllm_mlx"]).name
     return out

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import compare  # noqa: E402
 from bench import serve_bench as sb  # noqa: E402
+from bench.bench_continuous_vs_static import run_meta  # noqa: E402
 
 SYSTEMS = ("ours", "ours-no-apc", "ours-bare-engine", "ours-bare-engine-no-apc", "mlx_lm.server")
 # (cache on, cache off): the ratio through Serve, and the engine's own.
@@ -138,7 +139,6 @@ def main(argv=None) -> None:
         plot(done["rows"], done["summary"], out.with_suffix(".png"), _title(meta["model"], meta["device"]))
         return
 
-    import mlx.core as mx
     from mlx_lm.utils import load_tokenizer
 
     model = compare.resolve_model(args.model)
@@ -147,8 +147,7 @@ def main(argv=None) -> None:
     engine = {"max_num_seqs": max(64, args.prefix_concurrency), "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": compare._portable(vars(args)), "host": {}}
+    meta = {**run_meta(args), "host": {}}
     rows: list[dict] = []
 
     def save() -> dict:
