@@ -1,5 +1,6 @@
 """Prefill attention where MLX's fused attention builds a plan per input shape (CUDA):
-fused SDPA on power-of-two padded shapes, against two matmuls and a softmax, unpadded.
+fused SDPA on padded shapes (`PAD_STEPS` sizes an octave, and, as `fused-pow2`, powers
+of two), against two matmuls and a softmax, unpadded.
 
 Each case is one prefill group as the runner builds it (`build_metadata`): `batch`
 sequences, each `queries` new tokens at the end of a `context`-token context in the
@@ -29,7 +30,8 @@ from bench.paged_attention import parse_geometry_args, write_results  # noqa: E4
 from bench.prefill_mask import prefill_cases  # noqa: E402
 from runtime.attention import available, build_metadata, gather, metadata, paged_attention  # noqa: E402
 
-WAYS = {"fused": 0, "unfused": 1 << 30}     # the `unfused_max_queries` that forces each
+# (`unfused_max_queries`, `pad_steps`) that force each way
+WAYS = {"fused": (0, None), "fused-pow2": (0, 1), "unfused": (1 << 30, None)}
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -56,16 +58,20 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
     chosen = "unfused" if plans and 1 < queries <= metadata.UNFUSED_MAX_QUERIES else "fused"
     r = {"batch": batch, "queries": queries, "context": context, "chosen": chosen}
     outs = {}
-    for way, limit in WAYS.items():
+    for way, (limit, steps) in WAYS.items():
+        if way == "fused-pow2" and not plans:
+            continue   # nothing is padded
         meta = build_metadata(tables, starts, lengths, bs, plan_per_shape=plans or way == "unfused",
-                              unfused_max_queries=limit)
+                              unfused_max_queries=limit, pad_steps=steps)
         (g,) = meta.groups
         r[f"{way}_shape"] = [*g.query_pos.shape, int(g.block_tables.shape[1]) * bs]
         fn = lambda: paged_attention(q, k_pool, v_pool, meta, scale, gather.attend_group)  # noqa: E731
         r[f"{way}_first_ms"], r[f"{way}_ms"] = timed(fn, args.repeats)
         outs[way] = fn().astype(mx.float32)
-    r["max_abs_diff"] = float(mx.abs(outs["unfused"] - outs["fused"]).max().item())
+    r["max_abs_diff"] = max(float(mx.abs(outs["unfused"] - o).max().item()) for o in outs.values())
     r["unfused_over_fused"] = r["unfused_ms"] / r["fused_ms"]
+    if "fused-pow2" in outs:
+        r["pow2_over_fused"] = r["fused-pow2_ms"] / r["fused_ms"]
     return r
 
 
@@ -79,14 +85,19 @@ def main(argv=None):
     rows = [run_case(b, lq, ctx, k_pool, v_pool, args) for b, lq, ctx in cases]
     print(f"{args.heads} heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, {args.dtype}, "
           f"{mx.default_device()}; ms per call (one layer)")
-    print(f"{'case':>12} | {'fused shape':>14} | {'fused first':>11} | {'fused':>6} | {'unfused first':>13} | "
-          f"{'unfused':>7} | {'ratio':>5} | chosen  | max diff")
+    print(f"{'case':>14} | {'fused shape':>16} | {'fused first':>11} | {'fused':>7} | {'pow2 shape':>16} | "
+          f"{'pow2 first':>10} | {'pow2':>7} | {'unfused first':>13} | {'unfused':>7} | {'unf/fused':>9} | "
+          f"chosen  | max diff")
     for r in rows:
         case = f"{r['batch']}x{r['queries']}x{r['context']}"
-        print(f"{case:>12} | {'x'.join(map(str, r['fused_shape'])):>14} | {r['fused_first_ms']:11.2f} | "
-              f"{r['fused_ms']:6.3f} | {r['unfused_first_ms']:13.2f} | {r['unfused_ms']:7.3f} | "
-              f"{r['unfused_over_fused']:5.2f} | {r['chosen']:7} | {r['max_abs_diff']:.2g}")
-    write_results(out, args, rows, unfused_max_queries=metadata.UNFUSED_MAX_QUERIES)
+        pow2 = ("x".join(map(str, r["fused-pow2_shape"])), f"{r['fused-pow2_first_ms']:.2f}",
+                f"{r['fused-pow2_ms']:.3f}") if "fused-pow2_ms" in r else ("-", "-", "-")
+        print(f"{case:>14} | {'x'.join(map(str, r['fused_shape'])):>16} | {r['fused_first_ms']:11.2f} | "
+              f"{r['fused_ms']:7.3f} | {pow2[0]:>16} | {pow2[1]:>10} | {pow2[2]:>7} | "
+              f"{r['unfused_first_ms']:13.2f} | {r['unfused_ms']:7.3f} | {r['unfused_over_fused']:9.2f} | "
+              f"{r['chosen']:7} | {r['max_abs_diff']:.2g}")
+    write_results(out, args, rows, unfused_max_queries=metadata.UNFUSED_MAX_QUERIES,
+                  pad_steps=metadata.PAD_STEPS)
 
 
 if __name__ == "__main__":

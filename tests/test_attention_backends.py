@@ -126,11 +126,11 @@ def test_decode_groups_split_by_length_only_for_padding_backends():
     assert split.slot_mapping.tolist() == whole.slot_mapping.tolist()
 
 
-def test_prefill_groups_are_padded_to_power_of_two_shapes():
+def test_prefill_groups_are_padded_to_few_shapes():
     """Fused attention plans per shape (on CUDA, up to a second for each new one), so a
-    long prefill group's sequences, queries and key blocks are padded to powers of two,
-    and the real rows map back in packed order. (The limit is lowered so that a small
-    group counts as long.)"""
+    long prefill group's sequences, queries and key blocks are padded to a few sizes an
+    octave, and the real rows map back in packed order. (The limit is lowered so that a
+    small group counts as long.)"""
     tables = [[3, 4], [7]]
     meta = build_metadata(tables, [10, 6], [5, 3], 16, plan_per_shape=True, unfused_max_queries=4)
     assert not meta.groups[0].unfused
@@ -157,6 +157,30 @@ def test_short_prefill_groups_go_unfused_and_unpadded_where_shapes_cost_plans():
     assert not plain.unfused and plain.query_pos.shape == (2, limit)
     decode = build_metadata(tables, starts, [1, 1], 16, plan_per_shape=True).groups
     assert not any(g.unfused for g in decode)
+
+
+def test_long_prefill_is_padded_to_finer_sizes():
+    """`padded_size` keeps `steps` sizes an octave: each size is at least `n` and wastes
+    under 1/steps of it, and steps 1 is the power of two. Past `FINE_PAD_QUERIES`,
+    three 4,160-token prompts attend as 3 x 5,120 queries over 5,120 keys, not (powers
+    of two) 4 x 8,192 over 8,192: 5.2x their own attention work became 1.5x. Up to it,
+    groups keep powers of two."""
+    for steps in (1, 2, 4, 8):
+        sizes = {metadata.padded_size(n, 1, steps) for n in range(1, 4097)}
+        assert len({s for s in sizes if 2048 < s <= 4096}) == steps
+        for n in range(1, 4097):
+            p = metadata.padded_size(n, 1, steps)
+            assert n <= p and (p - n) * steps < max(n, steps)
+    assert [metadata.padded_size(n, 1, 1) for n in (1, 3, 4160, 8192)] == [1, 4, 8192, 8192]
+    assert metadata.padded_size(5, 16, 4) == 16
+    tables = [list(range(i * 260, (i + 1) * 260)) for i in range(3)]
+    (g,) = build_metadata(tables, [0] * 3, [4160] * 3, 16, plan_per_shape=True).groups
+    assert g.query_pos.shape == (3, 5120) and g.block_tables.shape == (3, 320)
+    (p2,) = build_metadata(tables, [0] * 3, [4160] * 3, 16, plan_per_shape=True, pad_steps=1).groups
+    assert p2.query_pos.shape == (4, 8192) and p2.block_tables.shape == (4, 512)
+    n = metadata.FINE_PAD_QUERIES
+    (short,) = build_metadata([t[:n // 16] for t in tables], [0] * 3, [n] * 3, 16, plan_per_shape=True).groups
+    assert short.query_pos.shape == (4, n) and short.block_tables.shape == (4, n // 16)
 
 
 @pytest.mark.parametrize("plan_per_shape", [False, True])

@@ -164,13 +164,16 @@ def test_priority_runs_first(default_model):
     assert order == ["high", "low"]
 
 
-@pytest.mark.parametrize("unfused_max_queries", [0, metadata.UNFUSED_MAX_QUERIES])
-def test_prefill_under_per_shape_plans_matches(arch, monkeypatch, unfused_max_queries):
-    """What the engine does on CUDA, forced on here: prefill padded to power-of-two
-    shapes (every group, with the limit at 0) or attended unfused (these chunks, all
-    under the default limit). Ragged prompts chunked several to a step still give
-    mlx-lm's tokens and logprobs."""
+@pytest.mark.parametrize("unfused_max_queries, pad_steps",
+                         [(0, metadata.PAD_STEPS), (0, 1), (metadata.UNFUSED_MAX_QUERIES, metadata.PAD_STEPS)])
+def test_prefill_under_per_shape_plans_matches(arch, monkeypatch, unfused_max_queries, pad_steps):
+    """What the engine does on CUDA, forced on here: prefill padded to a few sizes an
+    octave (the threshold lowered to 0), or to powers of two (every group, with the
+    limit at 0), or attended unfused (these chunks, all under the default limit).
+    Ragged prompts chunked several to a step still give mlx-lm's tokens and logprobs."""
     monkeypatch.setattr(metadata, "UNFUSED_MAX_QUERIES", unfused_max_queries)
+    monkeypatch.setattr(metadata, "FINE_PAD_QUERIES", 0)
+    monkeypatch.setattr(metadata, "PAD_STEPS", pad_steps)
     name, path = arch
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, max_num_batched_tokens=40))
     engine.runner.plan_per_shape = True

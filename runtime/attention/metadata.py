@@ -29,6 +29,16 @@ SPLIT_RATIO = 0.5
 # Llama-3.2-1B geometry, `bench/prefill_plans.py`): a stall per new shape traded for a
 # few milliseconds a hit step. Longer groups cost 1.4-3.4x unfused.
 UNFUSED_MAX_QUERIES = 128
+# A longer prefill group there is padded to powers of two in sequences, queries and key
+# blocks: few shapes, so few plans. Past `FINE_PAD_QUERIES` queries a sequence it is
+# padded to `PAD_STEPS` sizes an octave (`padded_size`), wasting at most a quarter of
+# each instead of up to half: there attention dominates the step, and powers of two gave
+# three 4,160-token prompts 4 x 8,192 queries over 8,192 keys, 9.1 ms a layer against
+# 3.4 at 3 x 5,120 over 5,120 (`bench/prefill_plans.py`), every time; a plan (63-71 ms
+# for either) is paid once. A bare engine's cache-off TTFT p50 at 4,160-token prompts,
+# 8 in flight: 400 -> 209 ms (`bench/prefix_sweep.py`; H200, Llama-3.2-1B geometry).
+FINE_PAD_QUERIES = 2048
+PAD_STEPS = 4
 
 
 @dataclass
@@ -42,7 +52,7 @@ class GroupMetadata:
     layout onto the group's rows and `out_rows` maps back; both are None when every
     sequence has one query or there is one unpadded sequence (the layout is the packed
     order). A shape-padded prefill group (`make_group(plan_per_shape=True)`) has B, Lq
-    and max_blocks rounded up to powers of two; its padding sequences have context 1.
+    and max_blocks rounded up to `padded_size`s; its padding sequences have context 1.
     `unfused` groups are attended without fused attention (see `UNFUSED_MAX_QUERIES`).
     """
 
@@ -118,6 +128,14 @@ def bucket(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def padded_size(n: int, least: int, steps: int) -> int:
+    """The smallest size at or above `n` and `least` on a grid of `steps` sizes an octave
+    (multiples of 2^k / steps in (2^(k-1), 2^k]); `steps` 1 gives the power of two."""
+    n = max(n, least)
+    quantum = max(1, (1 << (n - 1).bit_length()) // (2 * steps))
+    return -(-n // quantum) * quantum
+
+
 def flatten(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Block tables as one flat array of block ids, and each table's width."""
     widths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
@@ -139,7 +157,8 @@ def causal_mask(query_pos: mx.array, width: int, block_size: int) -> mx.array:
 
 
 def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
-               plan_per_shape: bool = False, unfused_max_queries: int | None = None) -> GroupMetadata:
+               plan_per_shape: bool = False, unfused_max_queries: int | None = None,
+               pad_steps: int | None = None) -> GroupMetadata:
     """One group: sequences' block tables (flat, with widths: `flatten`), first new
     positions, new-token counts and context lengths (a numpy array), its first packed
     row.
@@ -148,16 +167,19 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     ms to a second for each new one), and ragged prefill would bring new shapes every
     step. A multi-token (prefill) group of up to `unfused_max_queries` (by default
     `UNFUSED_MAX_QUERIES`) queries a sequence is then `unfused`; a longer one is padded
-    to power-of-two sizes in sequences, queries and key blocks. Padding queries sit at
-    position 0 and see key 0; their outputs are dropped through `out_rows`. Metal and
-    CPU pay nothing per shape, so there padding would only add work."""
+    in sequences, queries and key blocks to powers of two, and past `FINE_PAD_QUERIES`
+    to `padded_size`s of `pad_steps` (by default `PAD_STEPS`) sizes an octave. Padding
+    queries sit at position 0 and see key 0; their outputs are dropped through
+    `out_rows`. Metal and CPU pay nothing per shape, so there padding would only add
+    work."""
     n = len(lengths)
     lq = max(lengths)
     rows_n, lq_n, width = n, lq, int(widths.max())
     limit = UNFUSED_MAX_QUERIES if unfused_max_queries is None else unfused_max_queries
     unfused = plan_per_shape and 1 < lq <= limit
     if plan_per_shape and lq > max(1, limit):
-        rows_n, lq_n, width = bucket(n, 1), bucket(lq, 16), bucket(width, 4)
+        steps = 1 if lq <= FINE_PAD_QUERIES else PAD_STEPS if pad_steps is None else pad_steps
+        rows_n, lq_n, width = padded_size(n, 1, steps), padded_size(lq, 16, steps), padded_size(width, 4, steps)
     bt = padded_tables(blocks, widths, rows_n, width)
     lens = np.asarray(lengths)
     valid = np.zeros((rows_n, lq_n), dtype=bool)
@@ -185,10 +207,11 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
                    block_size: int, split_decodes: bool = True,
-                   plan_per_shape: bool = False, unfused_max_queries: int | None = None) -> AttentionMetadata:
+                   plan_per_shape: bool = False, unfused_max_queries: int | None = None,
+                   pad_steps: int | None = None) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `plan_per_shape`
-    pads long prefill groups to power-of-two shapes and attends short ones unfused
+    pads long prefill groups to a few shapes an octave and attends short ones unfused
     (see `make_group`). Vectorized over tokens: the per-sequence Python work is
     flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
@@ -200,7 +223,7 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     table_at = np.concatenate([[0], np.cumsum(widths)])
     slots = flat[table_at[:-1][seq_of_row] + positions // block_size] * block_size + positions % block_size
     groups = [make_group(flat[table_at[a]:table_at[b]], widths[a:b], starts[a:b], lengths[a:b], ctx[a:b],
-                         int(row_of[a]), block_size, plan_per_shape, unfused_max_queries)
+                         int(row_of[a]), block_size, plan_per_shape, unfused_max_queries, pad_steps)
               for a, b in _group_bounds(lengths, ctx, split_decodes)]
     return AttentionMetadata(mx.array(positions.astype(np.int32)), mx.array(slots.astype(np.int32)),
                              groups, block_size)
