@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import compare  # noqa: E402
 from bench import serve_bench as sb  # noqa: E402
+from bench.bench_continuous_vs_static import run_meta  # noqa: E402
 
 ANCHOR = "mlx_lm.server"
 
@@ -117,7 +117,6 @@ def main(argv=None) -> None:
         bundle = json.loads((results / f"compare_{args.tag}.json").read_text())
         args.rate = round(compare.poisson_rate(bundle, args.output_len)[0], 3)
 
-    import mlx.core as mx
     from mlx_lm.utils import load_tokenizer
 
     model = compare.resolve_model(args.model)
@@ -129,8 +128,7 @@ def main(argv=None) -> None:
                            range_ratio=args.range_ratio)
     rows = []
     out = results / f"rounds_{args.tag}.json"
-    meta = {"args": compare._portable(vars(args)), "device": str(mx.default_device()),
-            "platform": platform.platform(), "mlx": mx.__version__, "cpus": os.cpu_count()}
+    meta = {**run_meta(args), "cpus": os.cpu_count()}
 
     def save() -> dict:
         """Written after every round, so a run stopped early keeps the rounds it finished."""
