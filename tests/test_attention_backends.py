@@ -128,9 +128,9 @@ def test_decode_groups_split_by_length_only_for_padding_backends():
 
 def test_prefill_groups_are_padded_to_few_shapes():
     """Fused attention plans per shape (on CUDA, up to a second for each new one), so a
-    long prefill group's sequences, queries and key blocks are padded to a few sizes an
-    octave, and the real rows map back in packed order. (The limit is lowered so that a
-    small group counts as long.)"""
+    long prefill group's sequences, queries and key blocks are padded, here (under
+    `FINE_PAD_QUERIES`) to powers of two, and the real rows map back in packed order.
+    (The limit is lowered so that a small group counts as long.)"""
     tables = [[3, 4], [7]]
     meta = build_metadata(tables, [10, 6], [5, 3], 16, plan_per_shape=True, unfused_max_queries=4)
     assert not meta.groups[0].unfused

@@ -178,7 +178,9 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     limit = UNFUSED_MAX_QUERIES if unfused_max_queries is None else unfused_max_queries
     unfused = plan_per_shape and 1 < lq <= limit
     if plan_per_shape and lq > max(1, limit):
-        steps = 1 if lq <= FINE_PAD_QUERIES else PAD_STEPS if pad_steps is None else pad_steps
+        steps = PAD_STEPS if pad_steps is None else pad_steps
+        if lq <= FINE_PAD_QUERIES:
+            steps = 1
         rows_n, lq_n, width = padded_size(n, 1, steps), padded_size(lq, 16, steps), padded_size(width, 4, steps)
     bt = padded_tables(blocks, widths, rows_n, width)
     lens = np.asarray(lengths)
