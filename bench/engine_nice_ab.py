@@ -3,9 +3,9 @@
 Ray starts its workers at nice 15, and the replica and its engine process ran there;
 `LLMServer` moves both back to `engine_nice` (0). This runs the shipped app once and
 alternates one of them (`--target engine`: the engine process; `--target replica`: the
-replica's process, its engine staying at 0) between nice 15 and nice 0, every thread of it
-(root, or CAP_SYS_NICE, to go back to 0), round after round, the order swapped each
-round, so a host whose speed drifts moves both alike. Every measurement draws its own
+replica's process, its engine staying at 0) between nice 15 and nice 0 (`--levels`: any
+two), every thread of it (root, or CAP_SYS_NICE, to go back to 0 or below), round after
+round, the order swapped each round, so a host whose speed drifts moves both alike. Every measurement draws its own
 prompts from the same distribution: repeated prompts would be prefix-cache hits for
 whichever ran second. Writes `bench/results/<target>_nice_<tag>.json`.
 
@@ -33,7 +33,7 @@ from bench.compare import Target, measure  # noqa: E402
 from deployments.llm_server import renice_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NICE = (15, 0)
+NICE = (15, 0)   # Ray's, and LLMServer's default engine_nice
 
 
 def points(args) -> list[dict]:
@@ -51,7 +51,10 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--target", choices=["engine", "replica"], default="engine")
+    ap.add_argument("--levels", type=int, nargs=2, default=list(NICE), metavar=("A", "B"),
+                    help="the two niceness levels alternated (below 0 needs root)")
     args = ap.parse_args(argv)
+    levels = tuple(args.levels)
 
     from mlx_lm.utils import load_tokenizer
 
@@ -71,8 +74,8 @@ def main(argv=None) -> None:
         measure(target, sb.random_workload(sb.TextSource(tok, 99), 16, args.input_len, 8, 0.5), concurrency=8)
         for r in range(args.rounds):
             for i, p in enumerate(points(args)):
-                for nice in (NICE if r % 2 == 0 else NICE[::-1]):
-                    reqs = sb.random_workload(sb.TextSource(tok, 1000 * r + 10 * i + nice), p["n"],
+                for nice in (levels if r % 2 == 0 else levels[::-1]):
+                    reqs = sb.random_workload(sb.TextSource(tok, 1000 * r + 100 * i + nice), p["n"],
                                               args.input_len, args.output_len, 0.5)
                     pid = engine if args.target == "engine" else replica
                     if renice_process(nice, pid) != nice:
@@ -93,7 +96,7 @@ def main(argv=None) -> None:
 
     summary = {}
     for p in points(args):
-        for nice in NICE:
+        for nice in levels:
             mine = [x for x in rows if x["point"] == p["name"] and x[f"{args.target}_nice"] == nice]
             summary[f"{p['name']}, nice {nice}"] = {
                 k: statistics.median(x[k] for x in mine) for k in ("output_tok_s", "ttft_p50_s", "tpot_p50_s")}
