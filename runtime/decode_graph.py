@@ -17,7 +17,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .attention.metadata import (AttentionMetadata, GroupMetadata, bucket, causal_mask, flatten,
+from .attention.metadata import (AttentionMetadata, GroupMetadata, causal_mask, flatten, padded_size,
                                  padded_tables)
 from .kv.paged_cache import KVPool, StepContext
 
@@ -57,7 +57,7 @@ class DecodeGraph:
 
     def _width(self, blocks: int) -> int:
         if self.padding_free:
-            return bucket(blocks, MIN_WIDTH)
+            return padded_size(blocks, MIN_WIDTH, 1)
         return -(-blocks // GATHER_WIDTH_STEP) * GATHER_WIDTH_STEP
 
     def warm_up(self, max_batch: int, max_blocks: int) -> int:
@@ -72,7 +72,7 @@ class DecodeGraph:
             widths = widths[:1]
         if self.max_batch is not None:
             max_batch = min(max_batch, self.max_batch)
-        batches = sorted({bucket(b, 1) for b in range(1, max_batch + 1)})
+        batches = sorted({padded_size(b, 1, 1) for b in range(1, max_batch + 1)})
         for b in batches:
             for w in widths:
                 if (b, w) in self.traced:
@@ -89,7 +89,7 @@ class DecodeGraph:
         sequence's block ids, `positions` where each input sits. Returns lazy (B, V)
         logits."""
         b, bs = len(tables), self.block_size
-        bp = bucket(b, 1)
+        bp = padded_size(b, 1, 1)
         blocks, widths = flatten(tables)
         width = self._width(int(widths.max()))
         bt = padded_tables(blocks, widths, bp, width)

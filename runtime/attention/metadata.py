@@ -123,11 +123,6 @@ def _group_bounds(lengths: list[int], ctx: np.ndarray, split_decodes: bool) -> l
     return bounds
 
 
-def bucket(n: int, least: int) -> int:
-    """The power of two at or above `n`, and at least `least`."""
-    return max(least, 1 << (n - 1).bit_length())
-
-
 def padded_size(n: int, least: int, steps: int) -> int:
     """The smallest size at or above `n` and `least` on a grid of `steps` sizes an octave
     (multiples of 2^k / steps in (2^(k-1), 2^k]); `steps` 1 gives the power of two."""
