@@ -276,7 +276,7 @@ class OpenAIIngress:
             p, ids, params = jobs[0]
             first, gen = await self._stream(ids, params, body, salt)
             echo = self._prompt_text(p) if body.echo else None
-            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0),
+            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0, len(ids)),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)))
         started = []
@@ -300,7 +300,7 @@ class OpenAIIngress:
                              "model": self.model_name, "choices": choices, "usage": usage.body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    def _completion_events(self, rid, created, body, first, gen, echo, t0: float):
+    def _completion_events(self, rid, created, body, first, gen, echo, t0: float, num_prompt: int):
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
                    for i in range(body.n)] if echo else []
@@ -313,7 +313,7 @@ class OpenAIIngress:
             return {"index": o.index, "text": o.delta_text, "logprobs": lp,
                     "finish_reason": o.finish_reason}
 
-        return self._events(first, gen, body, base, opening, choice, t0)
+        return self._events(first, gen, body, base, opening, choice, t0, num_prompt)
 
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, api_key: str | None, t0: float) -> Response:
@@ -332,7 +332,7 @@ class OpenAIIngress:
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(self._chat_events(rid, created, body, first, gen, t0),
+            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids)),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)))
         out = await self._drain(first, gen, t0)
@@ -344,7 +344,7 @@ class OpenAIIngress:
                              "usage": _Usage().add(out).body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    def _chat_events(self, rid, created, body, first, gen, t0: float):
+    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int):
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(body.n)]
@@ -355,24 +355,37 @@ class OpenAIIngress:
                     "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": o.finish_reason}
 
-        return self._events(first, gen, body, base, opening, choice, t0)
+        return self._events(first, gen, body, base, opening, choice, t0, num_prompt)
 
-    async def _events(self, first, gen, body, base: dict, opening: list[dict], choice, t0: float):
+    async def _events(self, first, gen, body, base: dict, opening: list[dict], choice, t0: float,
+                      num_prompt: int):
         """The SSE chunks of either endpoint: the `opening` choices, then one chunk per
-        completion with something new (`choice` shapes it), then usage if asked for.
-        `t0`: when the request arrived, where its latency metrics start."""
+        completion with something new (`choice` shapes it), then usage if asked for,
+        and with `continuous_usage_stats` the usage so far in every chunk. `t0`: when
+        the request arrived, where its latency metrics start."""
         timer = RequestTimer(self.metrics, t0)
+        opts = body.stream_options
+        usage_each = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+        made = 0   # completion tokens streamed so far, all choices together
+
+        def chunk(choices: list[dict], out) -> dict:
+            ev = {**base, "choices": choices}
+            if usage_each:
+                ev["usage"] = usage_body(num_prompt, made, out.num_cached_tokens)
+            return ev
+
         for c in opening:
-            yield {**base, "choices": [c]}
+            yield chunk([c], first)
         last = None
         async for out in self._chain(first, gen):
             last = out
             timer.output(out)
+            made += sum(len(o.delta_token_ids) for o in out.outputs)
             for o in out.outputs:
                 if o.delta_text or o.delta_token_ids or o.finish_reason:
-                    yield {**base, "choices": [choice(o)]}
+                    yield chunk([choice(o)], out)
         self._finish(timer, last)
-        if body.stream_options and body.stream_options.include_usage:
+        if opts and opts.include_usage:
             yield {**base, "choices": [], "usage": _Usage().add(last).body()}
 
     async def _drain(self, first, gen, t0: float):
@@ -453,9 +466,12 @@ class _Usage:
         return self
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                "total_tokens": self.prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
+        return usage_body(self.prompt, self.completion, self.cached)
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def engine_timing(out) -> dict[str, float]:

@@ -3,7 +3,7 @@ translation to the engine's `SamplingParams`."""
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_SEQUENCES, SamplingParams
 
@@ -13,6 +13,9 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """`include_usage`: a last chunk with the request's usage. With it,
+    `continuous_usage_stats` (vLLM's extension) puts the usage so far in every chunk."""
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -61,6 +64,12 @@ class _Sampling(_Strict):
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

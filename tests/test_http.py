@@ -127,6 +127,26 @@ def test_chat_stream_with_usage_and_content_parts(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_continuous_usage_stats_in_every_chunk(client):
+    """`continuous_usage_stats` (vLLM's extension, with `include_usage`): every chunk
+    carries the usage so far, the prompt's tokens throughout and the completion's
+    growing from 0 (the role chunk) to the total of the last chunk."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 12
+    made = [c.usage.completion_tokens for c in chunks]
+    assert made[0] == 0 and made == sorted(made) and made[-2] == 12
+    assert all(c.usage.prompt_tokens == final.prompt_tokens > 0 for c in chunks)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    plain = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 12
+
+
 def test_long_prompts_tokenized_off_the_loop_match(server, front, engine):
     """Prompts long enough to be tokenized on the ingress's threads, eight at once on
     each endpoint: each request gets its own prompt's tokens and the engine's greedy

@@ -103,6 +103,7 @@ BAD_INPUTS = [
     ("prompt over context", C, {**OK, "prompt": [5] * 5000}, 400),
     ("body over size limit", C, {**OK, "prompt": "y" * (BODY_LIMIT + 10)}, 413),
     ("suffix unsupported", C, {**OK, "suffix": "end"}, 400),
+    ("stream_options without stream", C, {**OK, "stream_options": {"include_usage": True}}, 400),
     ("empty messages", CH, {"model": MODEL, "messages": []}, 400),
     ("unknown role", CH, {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("image content part", CH, {**CHAT, "messages": [{"role": "user", "content": [
