@@ -3,7 +3,10 @@
 Runs a command, samples every process's CPU time once a second while it runs, and
 reports the 10-second window in which our engine process was busiest (the load's
 steady part, past start-up and warm-up), with every process's share of one core in
-that same window. Each run is added to `--out` under `--label`.
+that same window, and the engine process's threads' shares: its main thread (the engine
+loop: scheduling, building each step, queuing it) and the others by CPU, the busiest
+being MLX's CPU stream, where the step's arrays are computed. Each run is added to
+`--out` under `--label`.
 
     python bench/process_cpu.py --label bare --rows-from /tmp/compare_pcpu.json -- python bench/compare.py \\
         --systems ours-bare-engine --concurrency 16 --workloads random --min-prompts 320 --no-kv-memory \\
@@ -63,22 +66,45 @@ def snapshot() -> dict[int, tuple[int, str]]:
     return out
 
 
-def busiest_window(samples: list[tuple[float, dict]], engine: str) -> dict:
-    """Per-process share of one core (%) in the window where `engine` was busiest."""
+def thread_ticks(pids: list[int]) -> dict[int, tuple[int, str]]:
+    """tid -> (CPU ticks, "main" for a process's own thread, else "other"), of `pids`' threads."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12]), "main" if tid == str(pid) else "other")
+    return out
+
+
+def busiest_window(samples: list[tuple[float, dict, dict]], engine: str) -> tuple[dict, list]:
+    """Per-process share of one core (%) in the window where `engine` was busiest, and
+    the engine's threads' shares there: (label, %), the main thread first, then the
+    others, busiest first."""
     best = None
-    for i, (t0, a) in enumerate(samples):
+    for i, (t0, a, ta) in enumerate(samples):
         j = next((j for j in range(i + 1, len(samples)) if samples[j][0] - t0 >= WINDOW_S), None)
         if j is None:
             break
-        t1, b = samples[j]
+        t1, b, tb = samples[j]
         rates: dict[str, float] = {}
         for pid, (ticks, name) in b.items():
             if pid in a:
                 rates[name] = rates.get(name, 0.0) + (ticks - a[pid][0]) / TICKS / (t1 - t0) * 100
+        threads = [(label, (ticks - ta[tid][0]) / TICKS / (t1 - t0) * 100)
+                   for tid, (ticks, label) in tb.items() if tid in ta]
+        threads.sort(key=lambda t: (t[0] != "main", -t[1]))
         key = rates.get(engine, 0.0)
         if best is None or key > best[0]:
-            best = (key, rates)
-    return best[1] if best else {}
+            best = (key, rates, threads)
+    return (best[1], best[2]) if best else ({}, [])
 
 
 def main(argv=None):
@@ -94,22 +120,25 @@ def main(argv=None):
     proc = subprocess.Popen(cmd)
     samples = []
     while proc.poll() is None:
-        samples.append((time.monotonic(), snapshot()))
+        now = snapshot()
+        samples.append((time.monotonic(), now, thread_ticks([p for p, (_, n) in now.items() if n == args.engine])))
         time.sleep(1.0)
     if proc.returncode:
         sys.exit(f"the command failed ({proc.returncode})")
-    rates = busiest_window(samples, args.engine)
+    rates, threads = busiest_window(samples, args.engine)
     procs = sorted(({"process": n, "cpu_pct": round(r, 1)} for n, r in rates.items() if r >= 0.5),
                    key=lambda p: -p["cpu_pct"])
     for p in procs:
         print(f"{p['cpu_pct']:7.1f} %  {p['process']}")
     total = round(sum(rates.values()), 1)
     print(f"{total:7.1f} %  all processes, of {os.cpu_count() * 100} %")
+    engine_threads = [{"thread": label, "cpu_pct": round(r, 1)} for label, r in threads if r >= 0.5]
+    print("engine threads:", ", ".join(f"{t['thread']} {t['cpu_pct']} %" for t in engine_threads))
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"window_s": WINDOW_S, "runs": []}
     data["runs"] = [r for r in data["runs"] if r["label"] != args.label]
     run = {"label": args.label, "command": " ".join(os.path.basename(c) if os.sep in c else c for c in cmd),
-           "cores": os.cpu_count(), "total_cpu_pct": total, "processes": procs}
+           "cores": os.cpu_count(), "total_cpu_pct": total, "processes": procs, "engine_threads": engine_threads}
     if args.rows_from:
         keys = ("system", "workload", "concurrency", "output_tok_s", "ttft_p50_s", "tpot_p50_s")
         run["rows"] = [{k: r.get(k) for k in keys} for r in json.loads(Path(args.rows_from).read_text())]
