@@ -439,8 +439,14 @@ class OpenAIIngress:
             tokens.append(piece)
             offset += len(piece)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._piece(t): v for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
+                "top_logprobs": [self._top_with_sampled(lp) for lp in lps], "text_offset": offsets}
+
+    def _top_with_sampled(self, lp) -> dict[str, float]:
+        """The legacy completions API's alternatives: the `logprobs` likeliest tokens and
+        the sampled one, which OpenAI always includes (up to `logprobs` + 1 entries)."""
+        top = {self._piece(t): v for t, v in lp.top}
+        top.setdefault(self._piece(lp.token_id), lp.logprob)
+        return top
 
     def _chat_logprobs(self, lps):
         if lps is None:

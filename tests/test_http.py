@@ -201,6 +201,20 @@ def test_logprobs(client):
     assert content[0].top_logprobs[0].logprob == content[0].logprob   # greedy takes the top
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """As OpenAI's completions API: each position's alternatives are the `logprobs`
+    likeliest tokens and the sampled one, so up to `logprobs` + 1 entries; with
+    `logprobs: 0`, the sampled one alone."""
+    r = client.completions.create(model=MODEL, prompt="The river", max_tokens=24, temperature=2.0, seed=7,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    assert all(top[t] == v and 1 <= len(top) <= 2 for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs)   # at temperature 2 some pick is not the likeliest
+    r = client.completions.create(model=MODEL, prompt="The river", max_tokens=4, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+
+
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0)
     text = full.choices[0].text
