@@ -28,7 +28,8 @@ from runtime.models.loader import load_tokenizer
 
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
-from .protocol import ChatCompletionRequest, CompletionRequest, chat_prompt_ids, error_body
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       chat_prompt_ids, error_body)
 
 log = logging.getLogger("ray.serve")
 
@@ -145,11 +146,15 @@ class OpenAIIngress:
     async def _encode(self, text: str) -> list[int]:
         return await self._tokenize(partial(self.tokenizer.encode, text), len(text))
 
-    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The chat template's token ids (templating and tokenizing a long conversation
-        takes milliseconds)."""
-        return await self._tokenize(partial(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt),
-                                    sum(len(m["content"] or "") for m in messages))
+    async def _chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
+        """The chat template's token ids for `ChatMessage`s (templating and tokenizing a
+        long conversation takes milliseconds); 400 for messages the template rejects."""
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return await self._tokenize(partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt),
+                                        sum(len(m["content"]) for m in plain))
+        except Exception as e:
+            raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     async def _check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Validates length and vocabulary; returns the effective max_tokens."""
@@ -160,10 +165,7 @@ class OpenAIIngress:
         if len(ids) > limit:
             raise HTTPError(400, f"the prompt has {len(ids)} tokens, more than the limit of "
                                  f"{limit}", param="prompt", code="context_length_exceeded")
-        if min(ids) < 0 or max(ids) >= info["vocab_size"]:
-            bad = next(t for t in ids if not 0 <= t < info["vocab_size"])
-            raise HTTPError(400, f"token id {bad} is outside the vocabulary [0, {info['vocab_size']})",
-                            param="prompt")
+        self._check_vocab(ids, info["vocab_size"], "prompt")
         room = info["max_model_len"] - len(ids)
         if max_tokens is None:
             max_tokens = min(self.s["default_max_tokens"], room)
@@ -174,6 +176,12 @@ class OpenAIIngress:
             err = PromptTooLongError(len(ids), max_tokens, info["max_model_len"])
             raise HTTPError(400, str(err), param="max_tokens", code="context_length_exceeded")
         return max_tokens
+
+    @staticmethod
+    def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
 
     async def _stream(self, ids: list[int], params, body, salt):
         """Start one engine request; returns (first item, generator). Errors, including
@@ -218,6 +226,10 @@ class OpenAIIngress:
                 return await self.completions(await self._body(request, CompletionRequest), api_key, t0)
             if path == "/v1/chat/completions" and method == "POST":
                 return await self.chat(await self._body(request, ChatCompletionRequest), api_key, t0)
+            if path == "/tokenize" and method == "POST":
+                return JSONResponse(await self.tokenize(await self._body(request, TokenizeRequest)))
+            if path == "/detokenize" and method == "POST":
+                return JSONResponse(await self.detokenize(await self._body(request, DetokenizeRequest)))
             raise HTTPError(404, f"no route for {method} {request.url.path}", code="not_found")
         except HTTPError as e:
             self.metrics.errors.labels(self.model_name, str(e.status)).inc()
@@ -256,6 +268,19 @@ class OpenAIIngress:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": self.s["created"], "owned_by": "mlx-paged-serve",
                                             "root": self.s["model"]}]}
+
+    # -- /tokenize, /detokenize (vLLM's) --------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        if body.prompt is not None:
+            ids = await self._tokenize(partial(self.tokenizer.encode, body.prompt,
+                                               add_special_tokens=body.add_special_tokens), len(body.prompt))
+        else:
+            ids = await self._chat_ids(body.messages, body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": (await self.info())["max_model_len"], "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_vocab(body.tokens, (await self.info())["vocab_size"], "tokens")
+        return {"prompt": await self._tokenize(partial(self.tokenizer.decode, body.tokens), 4 * len(body.tokens))}
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, api_key: str | None, t0: float) -> Response:
@@ -321,11 +346,7 @@ class OpenAIIngress:
             k = body.logprobs_k()
         except ValueError as e:
             raise HTTPError(400, str(e), param="top_logprobs") from None
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = await self._chat_ids(messages, body.add_generation_prompt)
-        except Exception as e:
-            raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt)
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
         t_sub = time.monotonic()

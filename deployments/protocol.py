@@ -158,6 +158,31 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's `/tokenize`: the token ids a `prompt` gets from /v1/completions, or that
+    `messages` get from /v1/chat/completions (its chat template), so a client can count
+    them against the context before it sends them."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `/detokenize`: the text of token ids."""
+
+    model: str
+    tokens: list[int]
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -215,6 +215,39 @@ def test_completion_top_logprobs_hold_the_sampled_token(client):
     assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
 
 
+def test_tokenize_and_detokenize(server, front, client, engine):
+    """vLLM's /tokenize and /detokenize: the ids the completion and chat endpoints would
+    use (the chat one's count is its usage's prompt_tokens), the text back from ids, and
+    OpenAI errors for bad bodies."""
+    url = server.urls[front]
+    text = "The river runs past the mill."
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == list(engine.tokenizer.encode(text)) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == engine.max_model_len
+    bare = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False},
+                      timeout=60).json()
+    assert bare["tokens"] == list(engine.tokenizer.encode(text, add_special_tokens=False))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who keeps the mill?"}]
+    chat = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": msgs}, timeout=60).json()
+    used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == used
+    assert chat["tokens"] == list(engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                         tokenize=True))
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": bare["tokens"]}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": engine.tokenizer.decode(bare["tokens"])}
+    assert back.json()["prompt"] == text
+    for path, body in (("/tokenize", {"model": MODEL}),
+                       ("/tokenize", {"model": MODEL, "prompt": "a", "messages": msgs}),
+                       ("/tokenize", {"model": MODEL, "prompt": "a", "frobnicate": 1}),
+                       ("/detokenize", {"model": MODEL, "tokens": [1, 10**9]}),
+                       ("/detokenize", {"model": MODEL, "tokens": "abc"})):
+        bad = httpx.post(url + path, json=body, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", (path, body)
+    assert httpx.post(url + "/tokenize", json={"model": "gpt-5", "prompt": "a"}, timeout=60).status_code == 404
+
+
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0)
     text = full.choices[0].text
