@@ -221,7 +221,7 @@ class OpenAIIngress:
                 return await self.metrics_endpoint()
             api_key = self._check_auth(request)
             if path == "/v1/models" and method == "GET":
-                return JSONResponse(self.models())
+                return JSONResponse(await self.models())
             if path == "/v1/completions" and method == "POST":
                 return await self.completions(await self._body(request, CompletionRequest), api_key, t0)
             if path == "/v1/chat/completions" and method == "POST":
@@ -264,10 +264,13 @@ class OpenAIIngress:
             pass  # serve what we have
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def models(self) -> dict:
+    async def models(self) -> dict:
+        """OpenAI's model list, with vLLM's `root` and `max_model_len` (clients size their
+        context by it)."""
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": self.s["created"], "owned_by": "mlx-paged-serve",
-                                            "root": self.s["model"]}]}
+                                            "root": self.s["model"],
+                                            "max_model_len": (await self.info())["max_model_len"]}]}
 
     # -- /tokenize, /detokenize (vLLM's) --------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> dict:

@@ -71,9 +71,10 @@ def test_startup_time_is_reasonable(server):
     assert server.startup_s < 120
 
 
-def test_models_list(client):
-    ids = [m.id for m in client.models.list().data]
-    assert ids == [MODEL]
+def test_models_list(client, engine):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == engine.max_model_len   # vLLM's field: the context a client may use
 
 
 def test_completion_matches_engine(client, engine):
