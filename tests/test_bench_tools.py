@@ -6,6 +6,7 @@ still completes every request with the roomy run's tokens; `kv_sharing` computes
 prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters."""
 
 import json
+import os
 import sys
 
 from bench import kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu
@@ -23,14 +24,24 @@ def test_process_names_carry_no_paths():
 
 
 def test_busiest_window_is_the_engines_and_sums_by_name():
+    """The window is the one where the engine was busiest; processes of one name add up;
+    the engine's threads come main first, then the others busiest first."""
     tick = process_cpu.TICKS
     engine = "python -m runtime.engine_process"
     samples = [(float(t), {1: (int(e * tick), engine), 2: (int(p * tick), "ray::ProxyActor"),
-                           3: (int(p * tick), "ray::ProxyActor")})
-               for t, e, p in ((0, 0, 0), (10, 2, 1), (20, 12, 1), (30, 13, 2))]
-    rates = process_cpu.busiest_window(samples, engine)
+                           3: (int(p * tick), "ray::ProxyActor")},
+                {1: (int(m * tick), "main"), 7: (int(c * tick), "other"), 8: (0, "other")})
+               for t, e, p, m, c in ((0, 0, 0, 0, 0), (10, 2, 1, 1, 1), (20, 12, 1, 2, 10), (30, 13, 2, 3, 10))]
+    rates, threads = process_cpu.busiest_window(samples, engine)
     assert abs(rates[engine] - 100.0) < 1e-6 and rates["ray::ProxyActor"] == 0.0
-    assert process_cpu.busiest_window(samples[:1], engine) == {}
+    assert [label for label, _ in threads] == ["main", "other", "other"]
+    assert [round(r, 6) for _, r in threads] == [10.0, 90.0, 0.0]
+    assert process_cpu.busiest_window(samples[:1], engine) == ({}, [])
+
+
+def test_thread_ticks_reads_this_process_with_its_main_thread():
+    ticks = process_cpu.thread_ticks([os.getpid()])
+    assert ticks[os.getpid()][1] == "main" and all(t >= 0 for t, _ in ticks.values())
 
 
 def test_process_cpu_records_a_command(tmp_path):
