@@ -81,6 +81,11 @@ class AppArgs(BaseModel):
                                       "lowering it needs privileges (else a warning, and "
                                       "RAY_worker_niceness=0 before `ray start` does it); "
                                       "null leaves Ray's")
+    engine_stall_timeout_s: Optional[float] = Field(
+        120.0, gt=0, description="a replica whose engine loop has not come round for this long "
+                                 "(a step that never returns: a hung device, a deadlock) fails "
+                                 "its health check: its requests get 503 at once, its engine "
+                                 "process is killed and Serve replaces the replica; null never")
     engine_threads: Optional[int] = Field(
         None, ge=1, description="OMP_NUM_THREADS of each LLMServer's engine process: Ray sets 1 "
                                 "for its workers, which slowed the served engine's decode on a GPU "
@@ -159,7 +164,7 @@ def build_app(args: AppArgs) -> serve.Application:
     server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,
                    "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,
                    "engine_process": args.engine_process, "engine_nice": args.engine_nice,
-                   "engine_threads": args.engine_threads}
+                   "engine_threads": args.engine_threads, "stall_timeout_s": args.engine_stall_timeout_s}
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.share_replica_loop else {}
     if args.colocate:
         opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING, env), None

@@ -99,7 +99,7 @@ class LLMServer:
     def __init__(self, engine_config: dict, stream_interval_s: float = 0.0,
                  pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0,
                  engine_process: bool = True, engine_nice: int | None = 0,
-                 engine_threads: int | None = None):
+                 engine_threads: int | None = None, stall_timeout_s: float | None = None):
         rank = 0
         try:
             from ray import serve
@@ -119,7 +119,7 @@ class LLMServer:
             on_start = partial(_pin_engine_thread, rank, rank_cpus(rank, pin_cpus, os.cpu_count() or 1))
         env = engine_env(engine_threads, pin_cpus) if engine_process else None
         self.engine = AsyncEngine(EngineConfig(**engine_config), on_start=on_start, process=engine_process,
-                                  env=env)
+                                  env=env, stall_timeout_s=stall_timeout_s)
         self.stream_interval_s = stream_interval_s
         self.max_stream_chunks_per_s = max_stream_chunks_per_s
         self._ids = itertools.count()
@@ -157,7 +157,8 @@ class LLMServer:
         return {"replica_id": self.replica_id, **self.engine.stats()}
 
     def check_health(self) -> None:
-        """Serve restarts the replica when this raises: the engine loop has died."""
+        """Serve restarts the replica when this raises: the engine loop has died, or
+        stalled past `stall_timeout_s`."""
         self.engine.check_health()
 
     def record_routing_stats(self) -> dict:

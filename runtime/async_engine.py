@@ -62,14 +62,18 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 600.0,
                  on_start: Callable[[], None] | None = None, process: bool = False,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, stall_timeout_s: float | None = None):
         """`on_start` runs first where the loop runs, before the model loads (to pin
         that thread or process, say). `process` runs the loop in its own process, with
-        `env`'s variables set there (a thread shares this process's environment)."""
+        `env`'s variables set there (a thread shares this process's environment).
+        `stall_timeout_s`: `check_health` declares the engine dead when its loop has not
+        come round for that long (see there); None never does."""
         if env and not process:
             raise ValueError("env applies to an engine process only (process=True)")
         self.config = config or EngineConfig()
         self.process = process
+        self.stall_timeout_s = stall_timeout_s
+        self._last_turn = time.monotonic()   # the loop's last message; it sends one every turn
         self._waiters: dict[str, _Stream] = {}
         self._error: str | BaseException | None = None
         self._info: dict = {}
@@ -184,7 +188,19 @@ class AsyncEngine:
         return self._hashes[:limit]
 
     def check_health(self) -> None:
+        """Raises `EngineDeadError` once the loop has stopped, or has stalled: with
+        `stall_timeout_s`, a loop that has not come round for that long (it does at least
+        every half second when idle, and after every step) is stuck in a step that will
+        not return, a hung device or a deadlock, while its process looks alive. Its
+        requests then get the error at once instead of waiting forever, and an engine
+        process is killed, so that whatever replaces this engine starts clean."""
         alive = self._core.alive() if self.process else self._thread.is_alive()
+        quiet = time.monotonic() - self._last_turn
+        if self._error is None and alive and self.stall_timeout_s is not None and quiet > self.stall_timeout_s:
+            self._on_events([("dead", f"the engine loop stalled: no step finished in {quiet:.0f} s "
+                                      f"(stall_timeout_s {self.stall_timeout_s:g})")])
+            if self.process:
+                self._core.kill()
         if self._error is not None or not alive:
             raise EngineDeadError(f"engine loop stopped: {self._error!s}")
 
@@ -217,7 +233,7 @@ class AsyncEngine:
         requests per step those writes and wake-ups would cost more than the step's
         scheduling."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        now = time.monotonic()
+        now = self._last_turn = time.monotonic()
 
         def deliver(w: _Stream | None, item) -> None:
             if w is not None:
@@ -251,7 +267,7 @@ class AsyncEngine:
                 self._ready.set()
             elif kind in ("dead", "stopped"):
                 if kind == "dead":
-                    self._error = ev[1]
+                    self._error = self._error or ev[1]   # the first cause: a stall, then the kill
                     err = EngineDeadError(f"engine loop stopped: {ev[1]}")
                 else:
                     err = RequestAbortedError("the engine shut down")

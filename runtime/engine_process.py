@@ -56,6 +56,11 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None and self._receiver.is_alive()
 
+    def kill(self) -> None:
+        """End the child now (a stalled one never reads `stop`); the receiver then reports
+        it dead."""
+        self.proc.kill()
+
     def close(self, timeout: float) -> None:
         """Ask the child to stop, then make sure it has."""
         self.send(("stop",))

@@ -3,7 +3,10 @@
 import asyncio
 import json
 import math
+import os
 import shutil
+import signal
+import threading
 import time
 
 import mlx.core as mx
@@ -429,6 +432,57 @@ def test_steps_that_keep_failing_stop_the_engine(default_model):
             eng.check_health()
     finally:
         eng.shutdown()
+
+
+def test_a_stalled_loop_fails_its_request_and_its_health_check(default_model):
+    """A step that does not return (here: one held until released) leaves the loop's
+    thread alive but silent. An idle loop still comes round, so it stays healthy past
+    `stall_timeout_s`; a stalled one fails the health check after it, and the request it
+    held gets `EngineDeadError` instead of waiting forever."""
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64), stall_timeout_s=1.0)
+    gate, step = threading.Event(), eng.engine.step
+
+    def held():
+        gate.wait(60)
+        return step()
+
+    async def run():
+        await asyncio.sleep(1.5)
+        eng.check_health()      # idle past the timeout: not a stall
+        eng.engine.step = held
+        pending = asyncio.ensure_future(
+            eng.generate(None, SamplingParams(max_tokens=4), prompt_token_ids=[5, 6, 7]).__anext__())
+        await asyncio.sleep(1.5)
+        with pytest.raises(EngineDeadError, match="stalled"):
+            eng.check_health()
+        with pytest.raises(EngineDeadError, match="stalled"):
+            await asyncio.wait_for(pending, 5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        gate.set()
+        eng.shutdown(timeout=10)
+
+
+def test_a_stalled_engine_process_is_killed(default_model):
+    """An engine process that stops coming round (here SIGSTOP) is killed by the health
+    check that finds it stalled, so no hung engine holds the device after its server."""
+    eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=64, device="cpu"), process=True,
+                      stall_timeout_s=1.0)
+    proc = eng._core.proc
+    try:
+        time.sleep(1.5)
+        eng.check_health()
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        with pytest.raises(EngineDeadError, match="stalled"):
+            eng.check_health()
+        assert proc.wait(10) == -signal.SIGKILL
+        with pytest.raises(EngineDeadError, match="stalled"):   # the kill does not hide the cause
+            eng.check_health()
+    finally:
+        eng.shutdown(timeout=5)
 
 
 def test_ingress_answers_a_failed_step_with_503():

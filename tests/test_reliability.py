@@ -22,6 +22,7 @@ from .serving import ServeRun, app, engine_pids, exited, metric, replica_pids
 MODEL = "default"
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 BODY_LIMIT = 32 << 10
+STALL_S = 10.0   # engine_stall_timeout_s of the apps whose engines these tests stop
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def server():
     small = {"num_cpus": 0.4}
     srv = ServeRun([
         app("rel", "/", served_model_name=MODEL, max_request_body_bytes=BODY_LIMIT,
-            engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20},
+            engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20}, engine_stall_timeout_s=STALL_S,
             llm_server={"ray_actor_options": small, "max_ongoing_requests": 256,
                         "health_check_period_s": 2.0, "health_check_timeout_s": 10.0},
             ingress={"ray_actor_options": {"num_cpus": 0.1}}),
@@ -40,7 +41,7 @@ def server():
             engine={"kv_cache_memory_bytes": 16 << 20},
             llm_server={"ray_actor_options": small}, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
         app("colo", "/colo", served_model_name=MODEL, colocate=True,
-            engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20},
+            engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20}, engine_stall_timeout_s=STALL_S,
             llm_server={"ray_actor_options": small, "max_ongoing_requests": 256,
                         "health_check_period_s": 2.0, "health_check_timeout_s": 10.0}),
     ])
@@ -339,12 +340,20 @@ def _wait_served(url: str, app_name: str, old_replicas: list[int], timeout: floa
     return _send(url, C, OK)
 
 
-async def _kill_under_load(victims: list[int], requests: list) -> list:
-    """Starts `requests` (coroutines), SIGKILLs `victims` 1.5 s in, returns the outcomes."""
+def _app_processes(server, app_name: str) -> tuple[str, list[int], list[int]]:
+    """The app's URL, its LLMServer replicas' pids and their engine processes' pids."""
+    pids = replica_pids(app_name)
+    engines = [e for p in pids for e in engine_pids(p)]
+    assert engines, "no engine process found"
+    return server.urls[app_name], pids, engines
+
+
+async def _signal_under_load(victims: list[int], requests: list, sig=signal.SIGKILL) -> list:
+    """Starts `requests` (coroutines), sends `sig` to `victims` 1.5 s in, returns the outcomes."""
     tasks = [asyncio.create_task(r) for r in requests]
     await asyncio.sleep(1.5)
     for p in victims:
-        os.kill(p, signal.SIGKILL)
+        os.kill(p, sig)
     return await asyncio.gather(*tasks)
 
 
@@ -353,14 +362,11 @@ def test_engine_death_is_503_and_the_replica_is_replaced(server, app_name):
     """An engine process that dies (here SIGKILL) fails the requests it held and every
     new one with 503 + Retry-After and an OpenAI error body, never a 500 or a hang; the
     replica's health check then fails and Serve replaces it. Split and colocated."""
-    url = server.urls[app_name]
-    pids = replica_pids(app_name)
-    engines = [e for p in pids for e in engine_pids(p)]
-    assert engines, "no engine process found"
+    url, pids, engines = _app_processes(server, app_name)
 
     async def run():
         async with httpx.AsyncClient() as cl:
-            held = await _kill_under_load(engines, [
+            held = await _signal_under_load(engines, [
                 cl.post(url + C, json={"model": MODEL, "prompt": f"tale {i}", "max_tokens": 400,
                                        "ignore_eos": True}, timeout=90) for i in range(4)])
             after = await cl.post(url + C, json=OK, timeout=30)
@@ -374,6 +380,35 @@ def test_engine_death_is_503_and_the_replica_is_replaced(server, app_name):
     assert failed, "no request saw the dead engine"
     for r in failed:
         assert r.headers["retry-after"] and r.json()["error"]["type"] == "server_error"
+    r = _wait_served(url, app_name, pids)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("app_name", ["rel", "colo"])
+def test_a_stalled_engine_is_503_and_the_replica_is_replaced(server, app_name):
+    """An engine process that stops stepping without dying (here SIGSTOP: a hung device
+    or a deadlock looks the same from outside) fails its held requests once the health
+    check finds it quiet past `engine_stall_timeout_s`, instead of holding them forever;
+    it is killed, and Serve replaces the replica. Split, the ingress answers 503;
+    colocated, the front may go down with its replica first, and Serve's proxy answers
+    500 for it."""
+    url, pids, engines = _app_processes(server, app_name)
+
+    async def run():
+        async with httpx.AsyncClient() as cl:
+            return await _signal_under_load(engines, [
+                cl.post(url + C, json={"model": MODEL, "prompt": f"saga {i}", "max_tokens": 400,
+                                       "ignore_eos": True}, timeout=120) for i in range(4)], signal.SIGSTOP)
+
+    t = time.monotonic()
+    held = asyncio.run(run())
+    waited = time.monotonic() - t - 1.5
+    print(f"engine stopped mid-load: {[r.status_code for r in held]} after {waited:.1f} s")
+    errors = (503,) if app_name == "rel" else (503, 500)
+    assert all(r.status_code in errors for r in held), [r.text for r in held]
+    assert waited < STALL_S + 30, "the stalled requests were held too long"
+    for e in engines:
+        assert exited(e, 30), f"stalled engine process {e} was left running"
     r = _wait_served(url, app_name, pids)
     assert r.status_code == 200, r.text
 
@@ -401,7 +436,7 @@ def test_replica_failure_recovers(server, app_name):
 
     async def run():
         async with httpx.AsyncClient() as cl:
-            return await _kill_under_load(pids, [client(cl, i) for i in range(8)])
+            return await _signal_under_load(pids, [client(cl, i) for i in range(8)])
 
     results = asyncio.run(run())
     print(f"replica killed mid-load; in-flight outcomes: {results}")
