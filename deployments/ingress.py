@@ -250,8 +250,10 @@ class OpenAIIngress:
                              type_="server_error").response()
 
     async def health(self) -> Response:
+        """200 while an engine answers and passes its health check (alive, not stalled),
+        else 503, for load balancers in front of the app."""
         try:
-            stats = await asyncio.wait_for(self.llm.stats(), self.s["health_timeout_s"])
+            stats = await asyncio.wait_for(self.llm.health(), self.s["health_timeout_s"])
         except Exception:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         self.metrics.replicas.update(stats)

@@ -4,7 +4,7 @@
 (prefix-aware on a cluster) picks the replica, and every request and stream chunk is a
 Ray message between the two. `LocalLLM` holds the `LLMServer` in the ingress's own
 replica (`colocate: true`): no Ray hop per request or chunk, at the price of routing,
-which is then only Serve's choice of ingress replica. Both give the same three calls; a
+which is then only Serve's choice of ingress replica. Both give the same four calls; a
 stream from either supports `async for`, `__anext__` and `cancel()`.
 """
 
@@ -26,6 +26,9 @@ class RemoteLLM:
 
     async def stats(self) -> dict:
         return await self._handle.stats.remote()
+
+    async def health(self) -> dict:
+        return await self._handle.health.remote()
 
 
 class LocalStream:
@@ -70,3 +73,6 @@ class LocalLLM:
 
     async def stats(self) -> dict:
         return self.server.stats()
+
+    async def health(self) -> dict:
+        return self.server.health()

@@ -161,6 +161,12 @@ class LLMServer:
         stalled past `stall_timeout_s`."""
         self.engine.check_health()
 
+    def health(self) -> dict:
+        """The stats, for `/health`, once the engine has passed `check_health`: the stats
+        alone are the engine's last report, which a dead or stalled engine still has."""
+        self.check_health()
+        return self.stats()
+
     def record_routing_stats(self) -> dict:
         """Load and a bounded set of the prefix-cache block hashes this replica holds,
         for prefix-aware routing."""

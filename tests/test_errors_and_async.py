@@ -485,6 +485,31 @@ def test_a_stalled_engine_process_is_killed(default_model):
         eng.shutdown(timeout=5)
 
 
+def test_health_reports_a_dead_engine_at_once(default_model):
+    """`/health` asks the engine's health check, not only for its stats: those are its
+    last report, which a dead engine still has, so the endpoint said 200 until Serve
+    replaced the replica. Now it answers 503 as soon as the engine is gone."""
+    from deployments.ingress import OpenAIIngress
+    from deployments.llm_client import LocalLLM
+    from deployments.llm_server import LLMServer
+    from deployments.metrics import Metrics
+
+    server = LLMServer({"model": default_model, "num_gpu_blocks": 32, "device": "cpu"}, engine_nice=None)
+    ingress = OpenAIIngress.__new__(OpenAIIngress)   # only the engine client, metrics and a setting are read
+    ingress.llm, ingress.metrics, ingress.s = LocalLLM(server), Metrics("default"), {"health_timeout_s": 5.0}
+    try:
+        assert asyncio.run(ingress.health()).status_code == 200
+        server.engine._core.kill()
+        server.engine._core.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while server.engine._core.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats()["replica_id"] == server.replica_id   # the last report is still there
+        assert asyncio.run(ingress.health()).status_code == 503
+    finally:
+        server.engine.shutdown(timeout=5)
+
+
 def test_ingress_answers_a_failed_step_with_503():
     """The replica's error item for a request aborted by a failed step or a dead engine
     becomes 503 with Retry-After (a retry can succeed); a bad request stays 400."""
