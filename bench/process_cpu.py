@@ -50,6 +50,12 @@ def process_name(argv: list[str]) -> str:
     return prog
 
 
+def cpu_ticks(stat: str) -> int:
+    """User and system CPU ticks from a /proc `stat` line (the name in brackets may hold spaces)."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def snapshot() -> dict[int, tuple[int, str]]:
     """pid -> (CPU ticks, user and system, of all its threads; its name)."""
     out = {}
@@ -61,8 +67,7 @@ def snapshot() -> dict[int, tuple[int, str]]:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(pid)] = (int(fields[11]) + int(fields[12]), process_name([a for a in argv if a]))
+        out[int(pid)] = (cpu_ticks(stat), process_name([a for a in argv if a]))
     return out
 
 
@@ -79,8 +84,7 @@ def thread_ticks(pids: list[int]) -> dict[int, tuple[int, str]]:
                 stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12]), "main" if tid == str(pid) else "other")
+            out[int(tid)] = (cpu_ticks(stat), "main" if tid == str(pid) else "other")
     return out
 
 

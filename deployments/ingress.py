@@ -143,8 +143,9 @@ class OpenAIIngress:
             return make()
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, make)
 
-    async def _encode(self, text: str) -> list[int]:
-        return await self._tokenize(partial(self.tokenizer.encode, text), len(text))
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._tokenize(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens),
+                                    len(text))
 
     async def _chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
         """The chat template's token ids for `ChatMessage`s (templating and tokenizing a
@@ -277,8 +278,7 @@ class OpenAIIngress:
     # -- /tokenize, /detokenize (vLLM's) --------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> dict:
         if body.prompt is not None:
-            ids = await self._tokenize(partial(self.tokenizer.encode, body.prompt,
-                                               add_special_tokens=body.add_special_tokens), len(body.prompt))
+            ids = await self._encode(body.prompt, body.add_special_tokens)
         else:
             ids = await self._chat_ids(body.messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": (await self.info())["max_model_len"], "tokens": ids}
