@@ -6,6 +6,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_SEQUENCES, SamplingParams
+from runtime.structured_output import StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -18,6 +19,65 @@ class StreamOptions(_Strict):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`; `strict` is accepted, and the output
+    always follows the schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that follows a
+    schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.validate("response_format")
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of a JSON schema, any JSON
+    object, a regex, fixed choices or a Lark grammar."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check(self):
+        self.constraint().validate("structured_outputs")
+        return self
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, json_object=self.json_object, regex=self.regex,
+                                       choice=tuple(self.choice) if self.choice is not None else None,
+                                       grammar=self.grammar)
 
 
 class _Sampling(_Strict):
@@ -42,6 +102,8 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -71,6 +133,17 @@ class _Sampling(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return self.response_format.constraint() if self.response_format is not None else None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -79,6 +152,7 @@ class _Sampling(_Strict):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+            structured_outputs=self.constraint(),
         )
 
 
@@ -130,24 +204,11 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, v):
-        if v != "text":
-            raise ValueError(f"response_format {v!r} is not supported yet; only 'text' is")
-        return v
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     def logprobs_k(self) -> int | None:

@@ -37,9 +37,10 @@ from .config import EngineConfig  # noqa: E402
 from .engine import LLMEngine  # noqa: E402
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
+from .structured_output import StructuredOutputsParams  # noqa: E402
 
 __all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob",
-           "RequestMetrics", "RequestOutput", "SamplingParams"]
+           "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name):

@@ -30,6 +30,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import PLACEHOLDER, Sequence, SequenceStatus
+from .structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class LLMEngine:
             n = self.runner.decode_graph.warm_up(config.max_num_seqs, -(-self.max_model_len // config.block_size))
             log.info("compiled decode: %d shape buckets traced in %.1f s", n, time.perf_counter() - t)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self._grammars: GrammarCompiler | None = None   # made by the first structured request
         self.requests: dict[str, _Request] = {}
         self._inflight: PendingStep | None = None
         self._worker: ThreadPoolExecutor | None = None   # processes tokens while a step is queued
@@ -175,6 +177,12 @@ class LLMEngine:
         ids = self._validate(prompt, prompt_token_ids, params)
         stops = params.stop
         seqs = [Sequence(request_id, i, ids, params, priority, cache_salt) for i in range(params.n)]
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._hf, self.vocab_size, self.eos_token_ids)
+            grammar = self._grammars.compile(params.structured_outputs)
+            for s in seqs:
+                s.grammar = grammar if s.index == 0 else grammar.copy()
         detoks = [IncrementalDetokenizer(self._hf, ids, stops) for _ in seqs]
         self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, detoks,
                                              RequestMetrics(time.monotonic()))
@@ -327,6 +335,8 @@ class LLMEngine:
             detok.add(token)
             if detok.stopped:
                 reason = "stop"
+            elif seq.grammar is not None and not seq.grammar.consume(token):
+                reason = "stop"   # the grammar is complete
             elif pos + 1 - seq.num_prompt_tokens >= p.max_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
         if reason:

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from .sequence import Sequence
+from .structured_output import allowed_tokens
 
 
 @dataclass
@@ -37,7 +38,7 @@ def _apply_logit_bias(logits: mx.array, seqs: list[Sequence]) -> mx.array:
 def _apply_penalties(logits: mx.array, seqs: list[Sequence]) -> mx.array:
     """Repetition penalty (HF style) over prompt and output; presence and frequency
     penalties (OpenAI style) over the output."""
-    idx = [i for i, s in enumerate(seqs) if s.params.needs_history]
+    idx = [i for i, s in enumerate(seqs) if s.params.has_penalties]
     if not idx:
         return logits
     vocab = logits.shape[-1]
@@ -56,6 +57,17 @@ def _apply_penalties(logits: mx.array, seqs: list[Sequence]) -> mx.array:
     sub = sub - pres * (counts_m > 0) - freq * counts_m
     logits[mx.array(idx)] = sub
     return logits
+
+
+def _apply_grammars(logits: mx.array, seqs: list[Sequence]) -> mx.array:
+    """Structured outputs: -inf for every token a sequence's grammar does not allow next."""
+    idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not idx:
+        return logits
+    allowed = allowed_tokens([seqs[i].grammar for i in idx], logits.shape[-1])
+    if len(idx) == len(seqs):
+        return mx.where(allowed, logits, -mx.inf)
+    return logits.at[mx.array(idx)].add(mx.where(allowed, 0.0, -mx.inf))
 
 
 def _filter(x: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.array | None]:
@@ -92,7 +104,7 @@ def _gumbel(shape: tuple[int, int], seqs: list[Sequence]) -> mx.array:
 def sample(logits: mx.array, seqs: list[Sequence]) -> SampleResult:
     """logits: (B, V), one row per sequence in `seqs`. Returns lazy arrays."""
     logits = logits.astype(mx.float32)
-    x = _apply_penalties(_apply_logit_bias(logits, seqs), seqs)
+    x = _apply_grammars(_apply_penalties(_apply_logit_bias(logits, seqs), seqs), seqs)
     tokens = mx.argmax(x, axis=-1)
     if not all(s.params.greedy for s in seqs):
         temps = mx.array([s.params.temperature or 1.0 for s in seqs], dtype=mx.float32)

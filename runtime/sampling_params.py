@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from .errors import InvalidSamplingParamsError
+from .structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
@@ -37,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -48,10 +50,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def needs_history(self) -> bool:
-        """Penalties read the tokens generated so far."""
+    def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties and structured outputs read the tokens generated so far."""
+        return self.structured_outputs is not None or self.has_penalties
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg, param):
@@ -91,4 +97,6 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if vocab_size is not None and not 0 <= tok < vocab_size:
                 bad(f"stop token id {tok} is outside the vocabulary", "stop_token_ids")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         return self

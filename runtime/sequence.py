@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .outputs import Logprob
 from .sampling_params import SamplingParams
+from .structured_output import Grammar
 
 _seq_counter = itertools.count()
 PLACEHOLDER = -1   # a sampled token still on the device; the step after it is already queued
@@ -42,6 +43,7 @@ class Sequence:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    grammar: Grammar | None = None                        # structured outputs: what may come next
 
     def __post_init__(self):
         if not self.token_ids:

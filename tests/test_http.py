@@ -1,18 +1,21 @@
 """The real app under `serve run`, driven by the official `openai` client and httpx."""
 
 import asyncio
+import json
 import os
 import re
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from bench.compare import step_time_counts
 from bench.serve_bench import parse_server_timing
-from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from runtime.engine import STEP_TIME_BOUNDS_S
 
 from .serving import ServeRun, app, engine_pids, live_pids, metric, process_env, replica_pids
@@ -249,6 +252,40 @@ def test_tokenize_and_detokenize(server, front, client, engine):
     assert httpx.post(url + "/tokenize", json={"model": "gpt-5", "prompt": "a"}, timeout=60).status_code == 404
 
 
+class Verdict(pydantic.BaseModel):
+    answer: Literal["yes", "no", "unsure"]
+    confident: bool
+    reasons: list[Literal["data", "taste", "luck"]] = pydantic.Field(max_length=2)
+
+
+def test_structured_outputs(client, engine):
+    """The `openai` client's own structured-output helper gets an instance of its
+    pydantic model back; json_object streams JSON; vLLM's `structured_outputs` holds
+    completions to choices and a regex. Greedy tokens match the engine's."""
+    messages = [{"role": "user", "content": "Is the sky green? Answer in JSON."}]
+    r = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Verdict,
+                                      max_completion_tokens=80, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice.message.content
+    stream = client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
+                                            max_tokens=200, temperature=0, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict), text
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = engine.generate([list(ids)], SamplingParams(temperature=0, max_tokens=200,
+                                                       structured_outputs=StructuredOutputsParams(json_object=True)))
+    assert text == want[0].outputs[0].text
+
+    colours = ["red", "green", "deep blue"]
+    c = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=8, n=4, seed=3,
+                                  temperature=1.0, extra_body={"structured_outputs": {"choice": colours}})
+    assert all(ch.text in colours and ch.finish_reason == "stop" for ch in c.choices), c.choices
+    c = client.completions.create(model=MODEL, prompt="Order number:", max_tokens=12, temperature=0.7, seed=1,
+                                  extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-[0-9]{4}"}})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{4}", c.choices[0].text), c.choices[0].text
+
+
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0)
     text = full.choices[0].text
@@ -287,8 +324,10 @@ def test_error_classes(server, front):
     assert _assert_error(_post(server, "/v1/completions", front, {**base, "temperature": "hot"}), 400)["param"] == "temperature"
     _assert_error(_post(server, "/v1/completions", front, {**base, "max_tokens": -3}), 400)
     _assert_error(_post(server, "/v1/completions", front, {**base, "bogus": 1}), 400)
-    _assert_error(_post(server, "/v1/chat/completions", front, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                         "response_format": {"type": "json_object"}}), 400)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    err = _assert_error(_post(server, "/v1/chat/completions", front, {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": bad_schema}), 400)
+    assert err["param"] == "response_format" and "objectx" in err["message"]
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "model": "gpt-9"}), 404)
     assert err["code"] == "model_not_found"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "word " * 5000}), 400)

@@ -110,7 +110,14 @@ BAD_INPUTS = [
     ("image content part", CH, {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
     ("message without role", CH, {**CHAT, "messages": [{"content": "hi"}]}, 400),
-    ("response_format json", CH, {**CHAT, "response_format": {"type": "json_object"}}, 400),
+    ("response_format unknown type", CH, {**CHAT, "response_format": {"type": "xml"}}, 400),
+    ("json_schema not a schema", CH, {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400),
+    ("json_schema type without json_schema", CH, {**CHAT, "response_format": {"type": "json_schema"}}, 400),
+    ("structured_outputs bad regex", C, {**OK, "structured_outputs": {"regex": "[a-"}}, 400),
+    ("structured_outputs two constraints", C, {**OK, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400),
+    ("response_format and structured_outputs", CH, {**CHAT, "response_format": {"type": "json_object"},
+                                                     "structured_outputs": {"regex": "a"}}, 400),
     ("top_logprobs without logprobs", CH, {**CHAT, "top_logprobs": 3}, 400),
     ("top_logprobs above 20", CH, {**CHAT, "logprobs": True, "top_logprobs": 50}, 400),
     ("max_completion_tokens negative", CH, {**CHAT, "max_completion_tokens": -2}, 400),
@@ -164,6 +171,14 @@ fields = st.fixed_dictionaries({}, optional={
     "logit_bias": st.one_of(st.dictionaries(st.text(max_size=6), st.floats(-200, 200), max_size=3), json_scalars),
     "stream": st.booleans(),
     "seed": st.one_of(st.integers(-10, 10**9), json_scalars),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({}, optional={
+        "regex": st.one_of(st.text(max_size=8), json_scalars),
+        "choice": st.one_of(st.lists(st.text(max_size=4), max_size=3), json_scalars),
+        "grammar": st.one_of(st.text(max_size=12), json_scalars),
+        "json": st.one_of(st.dictionaries(st.sampled_from(["type", "enum", "items", "x"]), json_scalars,
+                                          max_size=2), json_scalars),
+        "json_object": st.booleans(),
+    }), json_scalars),
 })
 bodies = st.tuples(fields, st.dictionaries(st.text(min_size=1, max_size=8), json_scalars, max_size=2)) \
     .map(lambda t: {**t[1], **t[0]})

@@ -1,0 +1,131 @@
+"""Structured outputs: a request's text held to a JSON schema, any JSON object, a
+regex, one of fixed choices or a Lark grammar.
+
+llguidance compiles the constraint into a matcher over the tokenizer's vocabulary.
+Before a constrained sequence samples, its matcher gives the bitmask of the tokens that
+keep the text inside the constraint; the mask goes to the device, where every other
+logit becomes -inf; after the step the matcher consumes the sampled token. The next
+mask depends on that token, so while a constrained sequence runs the engine reads each
+step back before it queues the next (as it does for penalties).
+
+JSON is generated compact (", " and ": " between items, no other whitespace): a model
+cannot spend its token budget on blank space, and the text parses as soon as the
+grammar closes.
+"""
+
+import json
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+
+from .errors import InvalidRequestError
+
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint; names follow vLLM's `StructuredOutputsParams`.
+
+    `json`: a JSON schema (a dict, or its JSON text); `json_object`: any JSON object;
+    `regex`: the whole text matches it; `choice`: the text is one of these strings;
+    `grammar`: a Lark grammar (llguidance's dialect).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def kinds(self) -> list[str]:
+        return [k for k in KINDS if getattr(self, k) not in (None, False)]
+
+    def grammar_spec(self) -> str:
+        """The constraint as an llguidance grammar (not yet checked)."""
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            # Lark string literals take JSON's escapes.
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+    def validate(self, param: str = "structured_outputs") -> "StructuredOutputsParams":
+        """Raises `InvalidRequestError` naming `param` unless the constraint is one
+        well-formed grammar."""
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise InvalidRequestError(f"give exactly one structured output constraint of {', '.join(KINDS)}; "
+                                      f"got {', '.join(kinds) or 'none'}", param)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param)
+        try:
+            spec = self.grammar_spec()
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"the {kinds[0]} constraint is not valid: {e}", param) from None
+        error = LLMatcher.validate_grammar(spec)
+        if error:
+            raise InvalidRequestError(f"the {kinds[0]} constraint is not valid: {error}", param)
+        return self
+
+
+class Grammar:
+    """One sequence's matcher: the tokens it allows next, and the tokens it consumes."""
+
+    __slots__ = ("matcher", "words")
+
+    def __init__(self, matcher: LLMatcher, words: int):
+        self.matcher, self.words = matcher, words   # words: the bitmask's 32-bit words
+
+    def consume(self, token: int) -> bool:
+        """Advance past a sampled token. False once nothing more may follow: the
+        grammar is complete (or, never for a masked token, broken)."""
+        m = self.matcher
+        return m.consume_token(token) and not m.is_stopped()
+
+    def copy(self) -> "Grammar":
+        """A grammar in the same state, for another sequence of the request."""
+        return Grammar(self.matcher.deep_copy(), self.words)
+
+    def fill(self, row: np.ndarray) -> None:
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+class GrammarCompiler:
+    """Makes a request's grammars over one tokenizer's vocabulary (building that
+    vocabulary's index takes about a second for a 128k-token tokenizer: once)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids):
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequestError("structured outputs need a fast (Rust `tokenizers`) tokenizer, "
+                                      "and this model's is not", "structured_outputs")
+        self.tokenizer = LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, backend.get_vocab_size()),
+                                     eos_token=sorted(eos_token_ids))
+        self.words = -(-self.tokenizer.vocab_size // 32)
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        m = LLMatcher(self.tokenizer, params.grammar_spec(), log_level=0)
+        if m.is_error():
+            raise InvalidRequestError(f"the structured output constraint is not valid: {m.get_error()}",
+                                      "structured_outputs")
+        return Grammar(m, self.words)
+
+
+def allowed_tokens(grammars: list[Grammar], vocab_size: int) -> mx.array:
+    """(len(grammars), vocab_size) bool: the tokens each grammar lets come next. The
+    bitmask crosses to the device packed, one bit per token, and is unpacked there."""
+    mask = np.zeros((len(grammars), grammars[0].words), dtype=np.uint32)
+    for g, row in zip(grammars, mask):
+        g.fill(row)
+    cols = mx.arange(vocab_size, dtype=mx.uint32)
+    words = mx.array(mask)[:, cols // 32]
+    return ((words >> (cols % 32)) & 1).astype(mx.bool_)
