@@ -55,8 +55,11 @@ def _apply_penalties(logits: mx.array, seqs: list[Sequence]) -> mx.array:
     freq = mx.array([seqs[i].params.frequency_penalty for i in idx], dtype=mx.float32)[:, None]
     sub = mx.where(seen_m, mx.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - pres * (counts_m > 0) - freq * counts_m
-    logits[mx.array(idx)] = sub
-    return logits
+    if len(idx) == len(seqs):
+        return sub
+    out = mx.array(logits)   # a new array: `logits` stays the model's, for logprobs
+    out[mx.array(idx)] = sub
+    return out
 
 
 def _apply_grammars(logits: mx.array, seqs: list[Sequence]) -> mx.array:

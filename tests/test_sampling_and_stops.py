@@ -58,6 +58,20 @@ def test_penalties_discourage_repeats(model_dirs):
         assert max(toks.count(t) for t in set(toks)) < plain.count(top), kw
 
 
+def test_logprobs_are_the_models_before_penalties_and_bias(engine):
+    """Logprobs report the model's own distribution, as vLLM's do by default: the first
+    position's are the same whatever penalties or bias change what is sampled, alone or
+    beside a request without them."""
+    free = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, logprobs=5))[0].outputs[0]
+    for kw in ({"repetition_penalty": 3.0}, {"presence_penalty": 2.0}, {"logit_bias": {free.token_ids[0]: -100}}):
+        pen = SamplingParams(temperature=0, max_tokens=2, logprobs=5, **kw)
+        for out in engine.generate([PROMPT, "Hello"], [pen, SamplingParams(max_tokens=2)])[:1] + \
+                engine.generate([PROMPT], pen):
+            first = out.outputs[0].logprobs[0]
+            assert [t for t, _ in first.top] == [t for t, _ in free.logprobs[0].top], kw
+            assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(first.top, free.logprobs[0].top))
+
+
 def test_logprobs_shape(engine):
     out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 4
