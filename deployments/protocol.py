@@ -85,6 +85,7 @@ class _Sampling(_Strict):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
@@ -100,6 +101,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     priority: int = 0
     response_format: ResponseFormat | None = None
@@ -146,12 +148,13 @@ class _Sampling(_Strict):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
             structured_outputs=self.constraint(),
         )
 

@@ -22,8 +22,9 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
 
-    def add(self, token_id: int) -> None:
-        """Feed one generated token; sets `stopped` when a stop string appears."""
+    def add(self, token_id: int, find_stops: bool = True) -> None:
+        """Feed one generated token; sets `stopped` when a stop string appears in the
+        text up to it (`find_stops` False: not looked for, as before `min_tokens`)."""
         if self.stopped:
             return
         self._ids.append(token_id)
@@ -35,7 +36,7 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         before = len(self.text)
         self.text += delta
-        if self.stop:
+        if self.stop and find_stops:
             lo = max(0, before - self._hold)
             hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i != -1]
             if hits:

@@ -177,6 +177,10 @@ class LLMEngine:
         ids = self._validate(prompt, prompt_token_ids, params)
         stops = params.stop
         seqs = [Sequence(request_id, i, ids, params, priority, cache_salt) for i in range(params.n)]
+        if params.min_tokens:
+            early = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            for s in seqs:
+                s.early_stop_ids = tuple(sorted(early))
         if params.structured_outputs is not None:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self._hf, self.vocab_size, self.eos_token_ids)
@@ -332,7 +336,7 @@ class LLMEngine:
         elif token in p.stop_token_ids:
             reason = "stop"
         else:
-            detok.add(token)
+            detok.add(token, pos - seq.num_prompt_tokens >= p.min_tokens)
             if detok.stopped:
                 reason = "stop"
             elif seq.grammar is not None and not seq.grammar.consume(token):

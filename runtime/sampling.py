@@ -24,12 +24,17 @@ class SampleResult:
 
 
 def _apply_logit_bias(logits: mx.array, seqs: list[Sequence]) -> mx.array:
+    """`logit_bias`, and -inf for EOS and stop ids before `min_tokens`."""
     rows, cols, vals = [], [], []
     for i, s in enumerate(seqs):
         for tok, bias in s.params.logit_bias.items():
             rows.append(i)
             cols.append(tok)
             vals.append(bias)
+        if s.early_stop_ids and s.num_output_tokens < s.params.min_tokens:
+            rows += [i] * len(s.early_stop_ids)
+            cols += s.early_stop_ids
+            vals += [-mx.inf] * len(s.early_stop_ids)
     if not rows:
         return logits
     return logits.at[mx.array(rows), mx.array(cols)].add(mx.array(vals, dtype=logits.dtype))

@@ -14,7 +14,8 @@ MAX_N = 128
 class SamplingParams:
     """What to sample and when to stop; names follow vLLM's `SamplingParams`.
 
-    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `min_tokens`: until this many tokens are out, neither EOS nor `stop_token_ids` can
+    be sampled and stop strings are not looked for. `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=None` returns none; `logprobs=k` returns the sampled token's logprob plus the top k.
     `output_kind="delta"`: outputs before the last carry only what is new (`delta_*`;
     their text, token ids, logprobs and prompt are empty) and the last carries it all,
@@ -24,6 +25,7 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -69,6 +71,9 @@ class SamplingParams:
             bad(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                "min_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             bad(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:

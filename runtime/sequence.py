@@ -44,6 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     grammar: Grammar | None = None                        # structured outputs: what may come next
+    early_stop_ids: tuple[int, ...] = ()                  # banned before `min_tokens`: EOS, stop ids
 
     def __post_init__(self):
         if not self.token_ids:

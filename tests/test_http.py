@@ -286,6 +286,23 @@ def test_structured_outputs(client, engine):
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{4}", c.choices[0].text), c.choices[0].text
 
 
+def test_min_tokens_and_stop_token_ids(client, engine):
+    """vLLM's `min_tokens` holds EOS back (here at +100 bias) for that many tokens, and
+    `stop_token_ids` ends a completion on a token."""
+    eos = next(iter(engine.eos_token_ids))
+    prompt = "The baker rose before the sun to"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logit_bias={str(eos): 100},
+                                  extra_body={"min_tokens": 4})
+    want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, min_tokens=4,
+                                                    logit_bias={eos: 100}))[0].outputs[0]
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+    free = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"stop_token_ids": [free.token_ids[2]]})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == free.token_ids.index(free.token_ids[2]) + 1
+
+
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0)
     text = full.choices[0].text

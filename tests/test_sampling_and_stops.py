@@ -102,6 +102,37 @@ def test_stop_token_eos_and_length(engine):
     assert o3.outputs[0].finish_reason == "stop" and o3.outputs[0].text == ""
 
 
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(engine):
+    """Before `min_tokens` neither EOS (even at +100 bias) nor a stop id is sampled and no
+    stop string ends the request; the tokens are greedy's with those banned; then they
+    stop it as before. Also in a batch whose steps overlap (16 requests)."""
+    eos = next(iter(engine.eos_token_ids))
+    no_eos = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
+                                                      logit_bias={eos: -100}))[0].outputs[0]
+    outs = engine.generate([PROMPT] * 16, SamplingParams(temperature=0, max_tokens=8, min_tokens=5,
+                                                         logit_bias={eos: 100}))
+    for o in outs:
+        o = o.outputs[0]
+        assert o.finish_reason == "stop" and o.token_ids == no_eos.token_ids[:5] + [eos]
+    first = no_eos.token_ids[0]
+    banned = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3,
+                                                      logit_bias={eos: -100, first: -100}))[0].outputs[0]
+    o = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, min_tokens=3,
+                                                 stop_token_ids=[first]))[0].outputs[0]
+    assert o.token_ids[:3] == banned.token_ids
+    assert o.finish_reason == "length" or o.token_ids[-1] in (first, eos)
+    assert first not in o.token_ids[:-1]
+    full = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    stop = [engine.tokenizer.decode(full.token_ids[:1])]
+    assert engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=stop))[0].outputs[0].text == ""
+    o = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, min_tokens=2, stop=stop))[0].outputs[0]
+    assert len(o.token_ids) > 2 and full.text.startswith(o.text)
+    if o.finish_reason == "stop":   # a later occurrence still stops it
+        assert full.text[len(o.text):].startswith(stop[0])
+    with pytest.raises(ValueError, match="min_tokens"):
+        engine.add_request("m", PROMPT, SamplingParams(max_tokens=4, min_tokens=5))
+
+
 def test_streamed_deltas_add_up(engine):
     engine.add_request("s", PROMPT, SamplingParams(temperature=0, max_tokens=25, stop=["daughter"]))
     text, toks = "", []
