@@ -120,8 +120,10 @@ def median_row(runs: list[dict]) -> dict:
     return out
 
 
-def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None, finals: dict | None = None):
-    """`finals`: filled with each request's generated token ids, by its index in `reqs`."""
+def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None, finals: dict | None = None,
+             params=None):
+    """`finals`: filled with each request's generated token ids, by its index in `reqs`.
+    `params(i, max_tokens)`: request i's `SamplingParams` (default: greedy, EOS ignored)."""
     pending = list(enumerate(reqs))
     submit, first, out_tokens = {}, {}, 0
     mx.reset_peak_memory()
@@ -130,9 +132,9 @@ def run_ours(engine: LLMEngine, reqs, streams: int, name: str, on_step=None, fin
     def launch():
         i, (prompt, gen) = pending.pop(0)
         rid = f"b{i}"
-        engine.add_request(rid, None, SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True,
-                                                     output_kind="delta"),   # as a server streams
-                           prompt_token_ids=prompt)
+        sp = params(i, gen) if params else SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+        sp.output_kind = "delta"   # as a server streams
+        engine.add_request(rid, None, sp, prompt_token_ids=prompt)
         submit[rid] = time.perf_counter()
 
     for _ in range(min(streams, len(pending))):

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from bench import kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu
+from bench import kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu, structured_output
 from runtime.attention import metadata
 
 
@@ -142,3 +142,14 @@ def test_prefill_stall_chunks_keep_running_streams_decoding(tmp_path):
     assert chunked["tokens_during_min"] >= chunked["steps_until_first_token"] - 2
     assert whole["budget"] == 602 and whole["steps_until_first_token"] <= 3
     assert chunked["tokens_during_min"] > whole["tokens_during_min"] + 2
+
+
+def test_structured_output_runs_every_request_to_its_length(tmp_path):
+    """Constrained or not, EOS banned: every request makes all its tokens, so the
+    systems' throughputs compare like for like."""
+    structured_output.main(["--concurrency", "2", "--requests-per-stream", "2", "--prompt-len", "8",
+                            "--gen-len", "6", "--rounds", "1", "--results-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "structured_output_cpu.json").read_text())
+    assert [r["system"] for r in data["rows"]] == list(structured_output.SYSTEMS)
+    assert all(r["output_tokens"] == 4 * 6 for r in data["rows"])
+    assert data["rows"][0]["tok_s_vs_free"] == 1.0 and data["mask"][0]["mask_ms_per_step"] > 0
