@@ -30,6 +30,7 @@ from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
+from .tools import ToolOutput
 
 log = logging.getLogger("ray.serve")
 
@@ -147,12 +148,14 @@ class OpenAIIngress:
         return await self._tokenize(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens),
                                     len(text))
 
-    async def _chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        """The chat template's token ids for `ChatMessage`s (templating and tokenizing a
-        long conversation takes milliseconds); 400 for messages the template rejects."""
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+    async def _chat_ids(self, messages: list, add_generation_prompt: bool, tools: list | None = None) -> list[int]:
+        """The chat template's token ids for `ChatMessage`s and `Tool`s (templating and
+        tokenizing a long conversation takes milliseconds); 400 for messages the
+        template rejects."""
+        plain = [m.for_template() for m in messages]
+        shown = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
-            return await self._tokenize(partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt),
+            return await self._tokenize(partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown),
                                         sum(len(m["content"]) for m in plain))
         except Exception as e:
             raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
@@ -280,7 +283,7 @@ class OpenAIIngress:
         if body.prompt is not None:
             ids = await self._encode(body.prompt, body.add_special_tokens)
         else:
-            ids = await self._chat_ids(body.messages, body.add_generation_prompt)
+            ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools)
         return {"count": len(ids), "max_model_len": (await self.info())["max_model_len"], "tokens": ids}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
@@ -351,35 +354,59 @@ class OpenAIIngress:
             k = body.logprobs_k()
         except ValueError as e:
             raise HTTPError(400, str(e), param="top_logprobs") from None
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt)
+        mode = body.tool_mode()
+        if mode == "auto" and not self.tokenizer.has_tool_calling:
+            raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
+                                 "'auto' (the default with tools) cannot work; use 'required' or name a "
+                                 "function, which hold the output to the tools' JSON", param="tool_choice")
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools)
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
+        if mode == "auto":
+            params.skip_special_tokens = False   # some families' call markers are special tokens
+        tools = partial(ToolOutput, mode, self.tokenizer, body.tool_defs()) if mode else None
         t_sub = time.monotonic()
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids)),
+            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids), tools),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)))
         out = await self._drain(first, gen, t0)
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
-                    "finish_reason": o.finish_reason} for o in out.outputs]
+        choices = []
+        for o in out.outputs:
+            message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
+            if tools:
+                message, reason = tools().message(o.text, o.finish_reason)
+            choices.append({"index": o.index, "message": message,
+                            "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
+                            "finish_reason": reason})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.model_name, "choices": choices,
                              "usage": _Usage().add(out).body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int):
+    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int, tools=None):
+        """`tools`: makes a `ToolOutput` per choice, when the request's tools are parsed."""
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(body.n)]
+        parsers = [tools() for _ in range(body.n)] if tools else None
 
         def choice(o):
-            delta = {"content": o.delta_text} if o.delta_text or o.delta_token_ids else {}
+            delta, reason = {"content": o.delta_text} if o.delta_text or o.delta_token_ids else {}, o.finish_reason
+            if parsers:
+                p = parsers[o.index]
+                content, calls = p.feed(o.delta_text)
+                if reason is not None:
+                    more, more_calls = p.close()
+                    content, calls, reason = content + more, calls + more_calls, p.finish_reason(reason)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
             return {"index": o.index, "delta": delta,
                     "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
-                    "finish_reason": o.finish_reason}
+                    "finish_reason": reason}
 
         return self._events(first, gen, body, base, opening, choice, t0, num_prompt)
 

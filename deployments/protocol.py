@@ -1,12 +1,15 @@
 """OpenAI request bodies (pydantic, strict: unknown fields are rejected) and the
 translation to the engine's `SamplingParams`."""
 
+import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_SEQUENCES, SamplingParams
 from runtime.structured_output import StructuredOutputsParams
+
+from .tools import constraint as tool_constraint
 
 
 class _Strict(BaseModel):
@@ -102,6 +105,7 @@ class _Sampling(_Strict):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = 0
     response_format: ResponseFormat | None = None
@@ -154,7 +158,7 @@ class _Sampling(_Strict):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
-            stop_token_ids=list(self.stop_token_ids or []),
+            stop_token_ids=list(self.stop_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.constraint(),
         )
 
@@ -194,10 +198,42 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v):
+        try:
+            json.loads(v)
+        except ValueError:
+            raise ValueError("a tool call's arguments must be JSON text") from None
+        return v
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, as a client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, carry tool_call_id")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -206,6 +242,40 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool call arguments as objects."""
+        m = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -213,6 +283,49 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tools(self):
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct names")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        forced = self.forced_tool()
+        if forced is not None:
+            if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+                raise ValueError("a required or named tool_choice cannot be combined with response_format "
+                                 "or structured_outputs")
+            tool_constraint(self.tool_defs(), forced, self.parallel_tool_calls).validate("tools")
+        return self
+
+    def tool_defs(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools, or "none"), "auto", "required" or the named function."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.forced_tool() or "auto"
+
+    def forced_tool(self) -> str | None:
+        """"required" or the named function, when the choice forces a call."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return "required" if choice == "required" and self.tools else None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        forced = self.forced_tool()
+        if forced is not None:
+            return tool_constraint(self.tool_defs(), forced, self.parallel_tool_calls)
+        return super().constraint()
 
     def logprobs_k(self) -> int | None:
         if not self.logprobs:
@@ -232,6 +345,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -251,8 +365,11 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The token ids the model's chat template makes of `messages`. Raises whatever the
-    template raises for messages it rejects."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+    """The token ids the model's chat template makes of `messages` (and `tools`, in
+    OpenAI's shape, for templates that show them). Raises whatever the template raises
+    for messages it rejects."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)

@@ -10,13 +10,15 @@ back until the next token settles it. The stop string itself is not returned.
 class IncrementalDetokenizer:
     CONTEXT = 6   # prompt tokens decoded as left context, for tokenizers that strip spaces
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True):
         # The Rust tokenizer underneath a fast HF tokenizer decodes without Python overhead.
         self._decode = getattr(tokenizer, "backend_tokenizer", tokenizer).decode
         self._ids = list(prompt_token_ids[-self.CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
         self.stop = list(stop or [])
+        self._skip = skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self._emitted = 0
@@ -28,8 +30,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
-        new_text = self._decode(self._ids[self._prefix:], skip_special_tokens=True)
+        prefix_text = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        new_text = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return
         delta = new_text[len(prefix_text):]

@@ -187,7 +187,7 @@ class LLMEngine:
             grammar = self._grammars.compile(params.structured_outputs)
             for s in seqs:
                 s.grammar = grammar if s.index == 0 else grammar.copy()
-        detoks = [IncrementalDetokenizer(self._hf, ids, stops) for _ in seqs]
+        detoks = [IncrementalDetokenizer(self._hf, ids, stops, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, detoks,
                                              RequestMetrics(time.monotonic()))
         for s in seqs:

@@ -39,6 +39,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     output_kind: str = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
 

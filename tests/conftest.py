@@ -42,6 +42,34 @@ def default_model():
     return str(default_model_path())
 
 
+# A ChatML template that shows tools and writes calls as Qwen's do, between <tool_call>
+# markers: mlx-lm infers its `json_tools` parser from it.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{%- set tool_call = tool_call.function %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """The embedded model with `TOOL_TEMPLATE` as its chat template."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("tool-model") / "model"
+    shutil.copytree(default_model_path(), out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
 @functools.lru_cache(maxsize=8)
 def _mlx_lm_model(path: str):
     from mlx_lm import load

@@ -26,8 +26,9 @@ MODEL = "default"
 
 
 @pytest.fixture(scope="module")
-def server():
-    """Each app twice: as two deployments (ingress and LLMServer) and colocated."""
+def server(tool_model):
+    """Each app twice: as two deployments (ingress and LLMServer) and colocated; and the
+    embedded model with a chat template that has a tool-call format."""
     small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
     apps = []
@@ -43,6 +44,8 @@ def server():
                 llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25},
                             "max_ongoing_requests": 1, "max_queued_requests": 1}, **split),
         ]
+    apps.append(app("tools", "/tools", model=tool_model, served_model_name=MODEL, engine=small, colocate=True,
+                    llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
     srv = ServeRun(apps)
     yield srv
     srv.stop()
@@ -301,6 +304,90 @@ def test_min_tokens_and_stop_token_ids(client, engine):
                                   extra_body={"stop_token_ids": [free.token_ids[2]]})
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == free.token_ids.index(free.token_ids[2]) + 1
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _weather_args(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F") and len(args) == 2, args
+    return args
+
+
+def test_named_tool_choice_calls_it_and_streams_its_arguments(client):
+    """A named function is called with arguments that follow its schema, on any model
+    (here one whose template has no tool format); streamed, the arguments arrive in
+    pieces that add up to the same text; the call and its result go back next turn."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named,
+                                       temperature=0, max_tokens=60)
+    choice = r.choices[0]
+    call = choice.message.tool_calls[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None and len(choice.message.tool_calls) == 1
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    _weather_args(call.function.arguments)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                 tool_choice=named, temperature=0, max_tokens=60, stream=True))
+    pieces = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert pieces[0].id and pieces[0].function.name == "get_weather" and len(pieces) > 2
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    turn = ASK + [choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, clear"}]
+    again = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER, CLOCK], tool_choice="none",
+                                           temperature=0, max_tokens=8)
+    assert again.choices[0].message.tool_calls is None and again.choices[0].message.content
+
+
+def test_required_tool_choice_and_auto_without_a_tool_format(client):
+    """"required" makes one call to one of the tools (parallel_tool_calls off), whole
+    or streamed; "auto", the default with tools, is refused where the model's template
+    has no tool format that mlx-lm parses."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_tokens=80)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for choice_kw in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, **choice_kw)
+        assert e.value.body["param"] == "tool_choice" and "required" in e.value.body["message"]
+
+
+def test_auto_tool_calls_parsed_with_mlx_lms_parser(server):
+    """A model whose template writes calls between <tool_call> markers (mlx-lm's
+    `json_tools` parser): the text it writes (held here to a call by a regex) comes back
+    as content and `tool_calls`, whole and streamed, with no marker in the content."""
+    client = openai.OpenAI(base_url=server.urls["tools"] + "/v1", api_key="unused", max_retries=0)
+    regex = (r'Checking\.<tool_call>\n\{"name": "get_weather", "arguments": '
+             r'\{"city": "(Paris|Oslo)", "unit": "C"\}\}\n</tool_call>')
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
+              extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and _weather_args(call.function.arguments)["unit"] == "C"
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert content == "Checking." and [c.function.arguments for c in calls] == [call.function.arguments]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=6)
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.tool_calls is None
 
 
 def test_stop_strings(client):

@@ -69,6 +69,7 @@ def wait_idle(url: str, timeout: float = 60.0) -> str:
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_INPUTS = [
     ("invalid json", C, b"{\"model\": ", 400),
     ("json array body", C, [1, 2, 3], 400),
@@ -124,7 +125,16 @@ BAD_INPUTS = [
     ("top_logprobs without logprobs", CH, {**CHAT, "top_logprobs": 3}, 400),
     ("top_logprobs above 20", CH, {**CHAT, "logprobs": True, "top_logprobs": 50}, 400),
     ("max_completion_tokens negative", CH, {**CHAT, "max_completion_tokens": -2}, 400),
-    ("tools unsupported", CH, {**CHAT, "tools": [{"type": "function"}]}, 400),
+    ("tool without function", CH, {**CHAT, "tools": [{"type": "function"}], "tool_choice": "required"}, 400),
+    ("tool_choice without tools", CH, {**CHAT, "tool_choice": "required"}, 400),
+    ("tool_choice names no tool", CH, {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, 400),
+    ("tool parameters not a schema", CH, {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objectx"}}}], "tool_choice": "required"}, 400),
+    ("auto tools on a model without a tool format", CH, {**CHAT, "tools": [TOOL]}, 400),
+    ("tool message without tool_call_id", CH, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400),
+    ("tool call arguments not JSON", CH, {**CHAT, "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400),
 ]
 
 

@@ -1,0 +1,165 @@
+"""Tool calls in /v1/chat/completions: what constrains the output, and how the text the
+model wrote becomes OpenAI `tool_calls`.
+
+- `tool_choice: "required"` or a named function: the output is held to JSON (structured
+  outputs) that the calls are read from, so it works with any model: for a named
+  function, its arguments; for "required", a list of `{"name", "parameters"}` objects,
+  one per call, each naming one of the tools (vLLM does the same).
+- `"auto"`: the model writes calls in its own format, between the markers that
+  mlx-lm's tokenizer knows for its family (`tool_call_start`, `tool_call_end`), and
+  mlx-lm's parser for that family reads them. Text outside the markers is the
+  message's content. A model without such a parser cannot do "auto".
+- `"none"`: the tools are shown to the chat template, and nothing is parsed.
+"""
+
+import json
+import logging
+import uuid
+
+from runtime.structured_output import StructuredOutputsParams
+
+log = logging.getLogger("ray.serve")
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
+    call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
+
+
+def _parameters(tool: dict) -> dict:
+    return tool.get("parameters") or {"type": "object", "properties": {}}
+
+
+def constraint(tools: list[dict], choice: str | None, parallel: bool) -> StructuredOutputsParams | None:
+    """The structured output a forced choice needs; `choice`: "required" or a function's
+    name (None for "auto" and "none"). `tools`: the request's function definitions."""
+    if choice is None:
+        return None
+    if choice != "required":
+        tool = next(t for t in tools if t["name"] == choice)
+        return StructuredOutputsParams(json=_parameters(tool))
+    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+class ToolOutput:
+    """Turns one completion's text into a chat message's `content` and `tool_calls`, whole
+    or as it streams. `mode`: "auto", "required" or a function's name."""
+
+    def __init__(self, mode: str, tokenizer=None, tools: list[dict] | None = None):
+        self.mode, self.tools = mode, tools
+        if mode == "auto":
+            self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end or None
+            self.parse = tokenizer.tool_parser
+        self.text = ""        # all the text so far
+        self.done = 0         # how much of it has been handed out or parsed
+        self.calls = 0        # tool calls handed out
+        self.streamed = False
+
+    # -- whole ------------------------------------------------------------------------
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The whole message for a finished completion, and its finish reason."""
+        self.text = text
+        content, calls = self.close()
+        for c in calls:
+            c.pop("index")
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, self.finish_reason(finish_reason)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """"tool_calls" when the model chose to call (OpenAI gives "stop" for a named
+        function it was made to call); a cut by length stays "length"."""
+        if reason == "stop" and self.calls and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    # -- streamed ---------------------------------------------------------------------
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """New text in; the content that can go out now and any calls completed."""
+        self.text += delta
+        if self.mode == "auto":
+            return self._auto(final=False)
+        if self.mode == "required":
+            return "", []   # the whole list is parsed at the end
+        # A named function: the text is its arguments, streamed as OpenAI streams them.
+        calls = []
+        if not self.streamed:
+            calls.append(tool_call(self.mode, "", 0))
+            self.streamed = True
+        new, self.done = self.text[self.done:], len(self.text)
+        if new:
+            calls.append({"index": 0, "function": {"arguments": new}})
+        return "", calls
+
+    def close(self) -> tuple[str, list[dict]]:
+        """At the end of the completion: what is left."""
+        if self.mode == "auto":
+            return self._auto(final=True)
+        if self.mode == "required":
+            return "", self._required()
+        return "", [] if self.streamed else [tool_call(self.mode, self.text, 0)]
+
+    def _required(self) -> list[dict]:
+        try:
+            items = json.loads(self.text)
+        except json.JSONDecodeError:
+            return []   # cut short by max_tokens: no call is whole
+        self.calls = len(items)
+        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False), i)
+                for i, c in enumerate(items)]
+
+    def _auto(self, final: bool) -> tuple[str, list[dict]]:
+        """Content before a start marker goes out, except a tail that may be the start of
+        one; a call goes out once its end marker (or, for formats without one, the end
+        of the text) is there."""
+        content, calls = "", []
+        while True:
+            rest = self.text[self.done:]
+            at = rest.find(self.start)
+            if at < 0:
+                keep = 0 if final else _partial_suffix(rest, self.start)
+                content += rest[:len(rest) - keep]
+                self.done += len(rest) - keep
+                return content, calls
+            content += rest[:at]
+            body_from = at + len(self.start)
+            stop = rest.find(self.end, body_from) if self.end else -1
+            if stop < 0 and not final:
+                self.done += at
+                return content, calls
+            body = rest[body_from:stop] if stop >= 0 else rest[body_from:]
+            self.done += (stop + len(self.end)) if stop >= 0 else len(rest)
+            calls += self._parsed(body)
+
+    def _parsed(self, body: str) -> list[dict]:
+        try:
+            parsed = self.parse(body, self.tools)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("a tool call could not be parsed (%s: %s); it was likely cut short",
+                        type(e).__name__, e)
+            return []
+        out = []
+        for c in parsed if isinstance(parsed, list) else [parsed]:
+            args = c.get("arguments", {})
+            out.append(tool_call(c["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                                 self.calls))
+            self.calls += 1
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,117 @@
+"""Tool calls, without HTTP: the constraint a forced choice puts on the output, and the
+text the model wrote turned into `content` and `tool_calls`, whole and streamed in any
+pieces, with mlx-lm's own parser for the model's format."""
+
+import json
+import random
+
+import pytest
+
+from deployments.protocol import ChatCompletionRequest
+from deployments.tools import ToolOutput
+from runtime import EngineConfig, LLMEngine, SamplingParams
+from runtime.models.loader import load_tokenizer
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}
+CLOCK = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                            "required": ["zone"], "additionalProperties": False}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=128))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model):
+    tok = load_tokenizer(tool_model)
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"
+    return tok
+
+
+def _streamed(out: ToolOutput, text: str, rng: random.Random):
+    """Feed `text` in random pieces, then close: all content and calls."""
+    content, calls, i = "", [], 0
+    while i < len(text):
+        n = rng.randint(1, 7)
+        c, k = out.feed(text[i:i + n])
+        content, calls, i = content + c, calls + k, i + n
+    c, k = out.close()
+    return content + c, calls + k
+
+
+def _plain(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("text, content, cities", [
+    ("Let me look." + CALL % "Paris", "Let me look.", ["Paris"]),
+    (CALL % "Oslo" + " and " + CALL % "Paris" + " done", " and  done", ["Oslo", "Paris"]),
+    ("No call here, only < and <tool text.", "No call here, only < and <tool text.", []),
+    ("Cut short: " + (CALL % "Oslo")[:30], "Cut short: ", []),
+])
+def test_auto_splits_content_from_calls_whole_and_in_any_pieces(tokenizer, text, content, cities):
+    whole, reason = ToolOutput("auto", tokenizer, [WEATHER]).message(text, "stop")
+    assert (whole["content"] or "") == content
+    assert _plain(whole.get("tool_calls", [])) == [("get_weather", {"city": c}) for c in cities]
+    assert reason == ("tool_calls" if cities else "stop")
+    for seed in range(20):
+        got, calls = _streamed(ToolOutput("auto", tokenizer, [WEATHER]), text, random.Random(seed))
+        assert got == content and _plain(calls) == _plain(whole.get("tool_calls", []))
+        assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+def test_named_streams_arguments_and_required_parses_the_list(tokenizer):
+    args = '{"city": "Oslo"}'
+    content, calls = _streamed(ToolOutput("get_weather"), args, random.Random(0))
+    assert content == "" and calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(c["function"]["arguments"] for c in calls) == args
+    whole, reason = ToolOutput("get_weather").message(args, "stop")
+    assert whole["content"] is None and _plain(whole["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
+    assert reason == "stop"   # OpenAI's for a function it was made to call
+    listed = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    whole, reason = ToolOutput("required").message(listed, "stop")
+    assert _plain(whole["tool_calls"]) == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Paris"})]
+    assert reason == "tool_calls"
+    cut, reason = ToolOutput("required").message(listed[:40], "length")
+    assert "tool_calls" not in cut and reason == "length"
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("named", True)])
+def test_forced_choices_make_calls_the_engine_can_only_write_validly(engine, choice, parallel):
+    """Sampled at temperature 1 on the embedded model, the constrained output always
+    parses into calls of the tools with arguments of their schemas; one call at most
+    without parallel_tool_calls."""
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else choice
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "tools": [{"type": "function", "function": WEATHER}, {"type": "function", "function": CLOCK}]})
+    params = body.sampling_params(400, None)
+    params.n, params.seed = 6, 7
+    outs = engine.generate("Call a tool:", params)[0].outputs
+    for o in outs:
+        text = o.text
+        if o.finish_reason == "length":
+            # Only an open list of calls can run out (this small model repeats itself):
+            # every item it closed is a call.
+            assert choice == "required" and parallel, text
+            text = text[:text.rindex("}}") + 2] + "]"
+        message, _ = ToolOutput(body.tool_mode()).message(text, "stop")
+        calls = _plain(message["tool_calls"])
+        assert calls and (parallel or len(calls) == 1)
+        for name, args in calls:
+            assert (name, args) in [("get_weather", {"city": c}) for c in ("Paris", "Oslo")] + \
+                [("get_time", {"zone": z}) for z in ("UTC", "CET")]
+            assert choice != "named" or name == "get_time"
+
+
+def test_sampling_params_unchanged_without_tools():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": [{"type": "function", "function": WEATHER}],
+                                                 "tool_choice": "none"})
+    assert body.tool_mode() is None and body.sampling_params(5, None).structured_outputs is None
+    assert SamplingParams().skip_special_tokens
