@@ -30,7 +30,8 @@ from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
-from .tools import ToolOutput
+from .reasoning import ReasoningSplit, starts_in_reasoning
+from .tools import ChoiceParser, ToolOutput
 
 log = logging.getLogger("ray.serve")
 
@@ -148,15 +149,16 @@ class OpenAIIngress:
         return await self._tokenize(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens),
                                     len(text))
 
-    async def _chat_ids(self, messages: list, add_generation_prompt: bool, tools: list | None = None) -> list[int]:
+    async def _chat_ids(self, messages: list, add_generation_prompt: bool, tools: list | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
         """The chat template's token ids for `ChatMessage`s and `Tool`s (templating and
         tokenizing a long conversation takes milliseconds); 400 for messages the
         template rejects."""
         plain = [m.for_template() for m in messages]
         shown = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        make = partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown, template_kwargs)
         try:
-            return await self._tokenize(partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown),
-                                        sum(len(m["content"]) for m in plain))
+            return await self._tokenize(make, sum(len(m["content"]) for m in plain))
         except Exception as e:
             raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -283,7 +285,8 @@ class OpenAIIngress:
         if body.prompt is not None:
             ids = await self._encode(body.prompt, body.add_special_tokens)
         else:
-            ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools)
+            ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                       body.chat_template_kwargs)
         return {"count": len(ids), "max_model_len": (await self.info())["max_model_len"], "tokens": ids}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
@@ -359,25 +362,26 @@ class OpenAIIngress:
             raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
                                  "'auto' (the default with tools) cannot work; use 'required' or name a "
                                  "function, which hold the output to the tools' JSON", param="tool_choice")
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools)
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                   body.chat_template_kwargs)
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
         if mode == "auto":
             params.skip_special_tokens = False   # some families' call markers are special tokens
-        tools = partial(ToolOutput, mode, self.tokenizer, body.tool_defs()) if mode else None
+        parser = self._choice_parser(ids, body, mode)
         t_sub = time.monotonic()
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids), tools),
+            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids), parser),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)))
         out = await self._drain(first, gen, t0)
         choices = []
         for o in out.outputs:
             message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
-            if tools:
-                message, reason = tools().message(o.text, o.finish_reason)
+            if parser:
+                message, reason = parser().message(o.text, o.finish_reason)
             choices.append({"index": o.index, "message": message,
                             "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
                             "finish_reason": reason})
@@ -386,24 +390,29 @@ class OpenAIIngress:
                              "usage": _Usage().add(out).body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int, tools=None):
-        """`tools`: makes a `ToolOutput` per choice, when the request's tools are parsed."""
+    def _choice_parser(self, ids: list[int], body, mode: str | None):
+        """What makes a `ChoiceParser` per choice, where reasoning or tool calls are split
+        out of the text; None where the text is the content as it is."""
+        split = None
+        if self.tokenizer.has_thinking:
+            split = partial(ReasoningSplit, self.tokenizer.think_start, self.tokenizer.think_end,
+                            starts_in_reasoning(self.tokenizer, ids))
+        tools = partial(ToolOutput, mode, self.tokenizer, body.tool_defs()) if mode else None
+        if split is None and tools is None:
+            return None
+        return lambda: ChoiceParser(split() if split else None, tools() if tools else None)
+
+    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int, parser=None):
+        """`parser`: makes a `ChoiceParser` per choice (`_choice_parser`)."""
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(body.n)]
-        parsers = [tools() for _ in range(body.n)] if tools else None
+        parsers = [parser() for _ in range(body.n)] if parser else None
 
         def choice(o):
             delta, reason = {"content": o.delta_text} if o.delta_text or o.delta_token_ids else {}, o.finish_reason
             if parsers:
-                p = parsers[o.index]
-                content, calls = p.feed(o.delta_text)
-                if reason is not None:
-                    more, more_calls = p.close()
-                    content, calls, reason = content + more, calls + more_calls, p.finish_reason(reason)
-                delta = {"content": content} if content else {}
-                if calls:
-                    delta["tool_calls"] = calls
+                delta, reason = parsers[o.index].feed(o.delta_text, reason)
             return {"index": o.index, "delta": delta,
                     "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": reason}

@@ -277,13 +277,33 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class ChatCompletionRequest(_Sampling):
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict",
+                  "documents", "continue_final_message", "chat_template"}
+
+
+class _ChatTemplate(_Strict):
+    """What shapes the chat template's prompt besides the messages (chat and /tokenize):
+    `tools` to show, and `chat_template_kwargs` (vLLM's), variables of the template
+    such as Qwen3's `enable_thinking`."""
+
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs(cls, v):
+        taken = sorted(_TEMPLATE_ARGS & set(v or {}))
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+        return v
+
+
+class ChatCompletionRequest(_Sampling, _ChatTemplate):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
 
@@ -335,7 +355,7 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplate):
     """vLLM's `/tokenize`: the token ids a `prompt` gets from /v1/completions, or that
     `messages` get from /v1/chat/completions (its chat template), so a client can count
     them against the context before it sends them."""
@@ -343,9 +363,7 @@ class TokenizeRequest(_Strict):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = True
-    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -366,10 +384,11 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
     """The token ids the model's chat template makes of `messages` (and `tools`, in
-    OpenAI's shape, for templates that show them). Raises whatever the template raises
-    for messages it rejects."""
+    OpenAI's shape, for templates that show them; `template_kwargs`, such as Qwen3's
+    `enable_thinking`, go to the template as variables). Raises whatever the template
+    raises for messages it rejects."""
     ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
+                                        tokenize=True, **(template_kwargs or {}))
     return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)

@@ -43,8 +43,10 @@ def default_model():
 
 
 # A ChatML template that shows tools and writes calls as Qwen's do, between <tool_call>
-# markers: mlx-lm infers its `json_tools` parser from it.
-TOOL_TEMPLATE = (
+# markers (mlx-lm infers its `json_tools` parser from it), and thinks as Qwen3 does: off
+# with `enable_thinking: false`; `think_open` ends the prompt inside "<think>", as
+# DeepSeek-R1's template does.
+FORMAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call:{% for t in tools %} {{ t.function.name }}{% endfor %}"
     "<|im_end|>\n{% endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
@@ -52,20 +54,23 @@ TOOL_TEMPLATE = (
     "{%- set tool_call = tool_call.function %}"
     '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
     "{%- endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- elif think_open is defined and think_open %}<think>\n{% endif %}{% endif %}"
 )
 
 
 @pytest.fixture(scope="session")
-def tool_model(tmp_path_factory):
-    """The embedded model with `TOOL_TEMPLATE` as its chat template."""
+def format_model(tmp_path_factory):
+    """A random-weight model whose vocabulary has "<think>" and "</think>" and whose chat
+    template is `FORMAT_TEMPLATE`: mlx-lm gives its tokenizer a thinking format and a
+    tool parser."""
     import json
-    import shutil
 
-    out = tmp_path_factory.mktemp("tool-model") / "model"
-    shutil.copytree(default_model_path(), out)
+    out = make_model(tmp_path_factory.mktemp("format-model") / "model", hidden=64, layers=2, heads=4,
+                     kv_heads=2, vocab_size=384, seed=4, added_tokens=("<think>", "</think>"))
     config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_TEMPLATE
+    config["chat_template"] = FORMAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return str(out)
 

@@ -26,7 +26,7 @@ MODEL = "default"
 
 
 @pytest.fixture(scope="module")
-def server(tool_model):
+def server(format_model):
     """Each app twice: as two deployments (ingress and LLMServer) and colocated; and the
     embedded model with a chat template that has a tool-call format."""
     small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
@@ -44,7 +44,7 @@ def server(tool_model):
                 llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25},
                             "max_ongoing_requests": 1, "max_queued_requests": 1}, **split),
         ]
-    apps.append(app("tools", "/tools", model=tool_model, served_model_name=MODEL, engine=small, colocate=True,
+    apps.append(app("formats", "/formats", model=format_model, served_model_name=MODEL, engine=small, colocate=True,
                     llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
     srv = ServeRun(apps)
     yield srv
@@ -372,10 +372,10 @@ def test_auto_tool_calls_parsed_with_mlx_lms_parser(server):
     """A model whose template writes calls between <tool_call> markers (mlx-lm's
     `json_tools` parser): the text it writes (held here to a call by a regex) comes back
     as content and `tool_calls`, whole and streamed, with no marker in the content."""
-    client = openai.OpenAI(base_url=server.urls["tools"] + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.urls["formats"] + "/v1", api_key="unused", max_retries=0)
     regex = (r'Checking\.<tool_call>\n\{"name": "get_weather", "arguments": '
              r'\{"city": "(Paris|Oslo)", "unit": "C"\}\}\n</tool_call>')
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=200,
               extra_body={"structured_outputs": {"regex": regex}})
     choice = client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
@@ -388,6 +388,34 @@ def test_auto_tool_calls_parsed_with_mlx_lms_parser(server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=6)
     assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.tool_calls is None
+
+
+def test_reasoning_comes_apart_from_content(server):
+    """A thinking model (its vocabulary has "<think>" and "</think>"): what it writes
+    between the markers (held here to a shape by a Lark grammar, which names the marker
+    tokens) is the message's `reasoning`, the rest its content, whole and streamed;
+    `chat_template_kwargs` reach the template: a prompt that opens the reasoning itself,
+    and `enable_thinking: false`."""
+    client = openai.OpenAI(base_url=server.urls["formats"] + "/v1", api_key="unused", max_retries=0)
+
+    def ask(grammar, **kwargs):
+        kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=100,
+                  extra_body={"structured_outputs": {"grammar": grammar}, **kwargs})
+        message = client.chat.completions.create(**kw).choices[0].message
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        streamed = ("".join(getattr(d, "reasoning", None) or "" for d in deltas),
+                    "".join(d.content or "" for d in deltas))
+        return getattr(message, "reasoning", None), message.content, streamed
+
+    assert ask('start: <think> "Let me see." </think> "Yes."') == ("Let me see.", "Yes.", ("Let me see.", "Yes."))
+    assert ask('start: "Hmm." </think> "Done."', chat_template_kwargs={"think_open": True}) == \
+        ("Hmm.", "Done.", ("Hmm.", "Done."))
+    assert ask('start: "Plain."', chat_template_kwargs={"enable_thinking": False}) == (None, "Plain.", ("", "Plain."))
+    ids = httpx.post(server.urls["formats"] + "/tokenize", json={
+        "model": MODEL, "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    text = httpx.post(server.urls["formats"] + "/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
+    assert "<think>\n\n</think>" in text
 
 
 def test_stop_strings(client):

@@ -30,9 +30,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out: Path, vocab_size: int) -> int:
-    """Train a byte-level BPE on the bundled corpus and write the tokenizer files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(out: Path, vocab_size: int, added_tokens: tuple[str, ...] = ()) -> int:
+    """Train a byte-level BPE on the bundled corpus and write the tokenizer files.
+    `added_tokens`: whole tokens after the trained ones, decoded as text (markers such
+    as a reasoning model's "<think>")."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -44,6 +46,7 @@ def build_tokenizer(out: Path, vocab_size: int) -> int:
         show_progress=False,
     )
     tok.train([str(CORPUS)], trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     tok.save(str(out / "tokenizer.json"))
     eos = SPECIAL_TOKENS[0]
     (out / "tokenizer_config.json").write_text(
@@ -123,13 +126,14 @@ def make_model(out, arch: str = "llama", hidden: int = 128, layers: int = 4,
                heads: int = 4, kv_heads: int = 2, vocab_size: int = 512,
                context: int = 4096, tie: bool = True, seed: int = 0,
                dtype: str = "float32", quantize: int | None = None,
-               train_steps: int = 0, intermediate: int | None = None) -> Path:
+               train_steps: int = 0, intermediate: int | None = None,
+               added_tokens: tuple[str, ...] = ()) -> Path:
     """Write a model directory and return its path."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, vocab_size)
+    vocab = build_tokenizer(out, vocab_size, tuple(added_tokens))
     config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie, intermediate)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)

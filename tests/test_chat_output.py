@@ -1,14 +1,16 @@
-"""Tool calls, without HTTP: the constraint a forced choice puts on the output, and the
-text the model wrote turned into `content` and `tool_calls`, whole and streamed in any
-pieces, with mlx-lm's own parser for the model's format."""
+"""A chat choice's text, without HTTP: tool calls (the constraint a forced choice puts
+on the output; the text turned into `content` and `tool_calls` with mlx-lm's own parser
+for the model's format) and reasoning (what a thinking model writes between its think
+markers), whole and streamed in any pieces."""
 
 import json
 import random
 
 import pytest
 
-from deployments.protocol import ChatCompletionRequest
-from deployments.tools import ToolOutput
+from deployments.protocol import ChatCompletionRequest, chat_prompt_ids
+from deployments.reasoning import ReasoningSplit, starts_in_reasoning
+from deployments.tools import ChoiceParser, ToolOutput
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
 
@@ -26,9 +28,9 @@ def engine(default_model):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tool_model):
-    tok = load_tokenizer(tool_model)
-    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"
+def tokenizer(format_model):
+    tok = load_tokenizer(format_model)
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>" and tok.think_start == "<think>"
     return tok
 
 
@@ -115,3 +117,47 @@ def test_sampling_params_unchanged_without_tools():
                                                  "tool_choice": "none"})
     assert body.tool_mode() is None and body.sampling_params(5, None).structured_outputs is None
     assert SamplingParams().skip_special_tokens
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", [
+    ("<think>Hmm, let me see.</think>\n\nYes.", False, "Hmm, let me see.", "\n\nYes."),
+    ("I think so.</think>The answer.", True, "I think so.", "The answer."),
+    ("A plain answer, <thin but no marker.", False, "", "A plain answer, <thin but no marker."),
+    ("<think>cut short by max_tok", False, "cut short by max_tok", ""),
+])
+def test_reasoning_splits_whole_and_in_any_pieces(text, opened, reasoning, content):
+    assert ReasoningSplit("<think>", "</think>", opened).split(text) == (reasoning, content)
+    for seed in range(20):
+        rng, split, got = random.Random(seed), ReasoningSplit("<think>", "</think>", opened), ["", ""]
+        i = 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            r, c = split.feed(text[i:i + n])
+            got, i = [got[0] + r, got[1] + c], i + n
+        r, c = split.close()
+        assert (got[0] + r, got[1] + c) == (reasoning, content)
+
+
+def test_the_prompt_decides_where_the_split_starts(tokenizer):
+    msgs = [{"role": "user", "content": "hi"}]
+    for kwargs, inside in (({}, False), ({"think_open": True}, True), ({"enable_thinking": False}, False)):
+        ids = chat_prompt_ids(tokenizer, msgs, True, None, kwargs)
+        assert starts_in_reasoning(tokenizer, ids) is inside, kwargs
+    assert "<think>\n\n</think>" in tokenizer.decode(chat_prompt_ids(tokenizer, msgs, True, None,
+                                                                      {"enable_thinking": False}))
+
+
+def test_reasoning_then_a_tool_call(tokenizer):
+    """Reasoning first, then calls parsed out of what is content, as one streams."""
+    text = "<think>They want weather.</think>Sure." + CALL % "Oslo"
+    for seed in range(10):
+        parser = ChoiceParser(ReasoningSplit("<think>", "</think>", False), ToolOutput("auto", tokenizer, [WEATHER]))
+        rng, got, i = random.Random(seed), {"reasoning": "", "content": "", "tool_calls": []}, 0
+        while i < len(text):
+            n = rng.randint(1, 9)
+            delta, reason = parser.feed(text[i:i + n], "stop" if i + n >= len(text) else None)
+            for key, v in delta.items():
+                got[key] += v
+            i += n
+        assert reason == "tool_calls" and got["reasoning"] == "They want weather." and got["content"] == "Sure."
+        assert _plain(got["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
