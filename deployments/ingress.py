@@ -300,11 +300,17 @@ class OpenAIIngress:
             raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
         if body.best_of not in (None, body.n):
             raise HTTPError(400, "best_of is not supported", param="best_of")
+        # `max_tokens: 0` with `echo` scores the prompt alone (its logprobs): the engine
+        # makes one token, which is left out.
+        echo_only = body.max_tokens == 0
         jobs = []
         for p in prompts:
             ids = await self._encode(p) if isinstance(p, str) else list(p)
             max_tokens = await self._check_prompt(ids, body.max_tokens)
-            jobs.append((p, ids, body.sampling_params(max_tokens, body.logprobs)))
+            params = body.sampling_params(max(max_tokens, 1), body.logprobs)
+            if body.echo and body.logprobs is not None:
+                params.prompt_logprobs = body.logprobs
+            jobs.append((p, ids, params))
         salt = self._salt(body, api_key)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         t_sub = time.monotonic()
@@ -312,7 +318,7 @@ class OpenAIIngress:
             p, ids, params = jobs[0]
             first, gen = await self._stream(ids, params, body, salt)
             echo = self._prompt_text(p) if body.echo else None
-            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0, len(ids)),
+            return _sse(self._completion_events(rid, created, body, first, gen, echo, t0, ids),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)))
         started = []
@@ -326,21 +332,28 @@ class OpenAIIngress:
         finals = await asyncio.gather(*(self._drain(first, gen, t0) for first, gen in started))
         choices, usage = [], _Usage()
         for j, ((p, ids, _), out) in enumerate(zip(jobs, finals)):
-            usage.add(out)
+            usage.add(out, completion=not echo_only)
             prefix = self._prompt_text(p) if body.echo else ""
             for o in out.outputs:
-                choices.append({"index": j * body.n + o.index, "text": prefix + o.text,
-                                "logprobs": self._completion_logprobs(o.logprobs, len(prefix)),
-                                "finish_reason": o.finish_reason})
+                lps = None
+                if o.logprobs is not None:
+                    lps = self._completion_logprobs([] if echo_only else o.logprobs, len(prefix))
+                    if body.echo:
+                        lps = _joined(self._prompt_logprobs(out.prompt_logprobs, ids), lps)
+                choices.append({"index": j * body.n + o.index, "text": prefix + ("" if echo_only else o.text),
+                                "logprobs": lps, "finish_reason": "length" if echo_only else o.finish_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": self.model_name, "choices": choices, "usage": usage.body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    def _completion_events(self, rid, created, body, first, gen, echo, t0: float, num_prompt: int):
+    def _completion_events(self, rid, created, body, first, gen, echo, t0: float, prompt_ids: list[int]):
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+        prompt_lps = None
+        if echo and body.logprobs is not None:
+            prompt_lps = self._prompt_logprobs(first.prompt_logprobs, prompt_ids)
+        opening = [{"index": i, "text": echo, "logprobs": prompt_lps, "finish_reason": None}
                    for i in range(body.n)] if echo else []
-        offsets = [0] * body.n
+        offsets = [len(echo or "")] * body.n
 
         def choice(o):
             lp = self._completion_logprobs(o.delta_logprobs, offsets[o.index]) \
@@ -349,7 +362,7 @@ class OpenAIIngress:
             return {"index": o.index, "text": o.delta_text, "logprobs": lp,
                     "finish_reason": o.finish_reason}
 
-        return self._events(first, gen, body, base, opening, choice, t0, num_prompt)
+        return self._events(first, gen, body, base, opening, choice, t0, len(prompt_ids))
 
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, api_key: str | None, t0: float) -> Response:
@@ -503,6 +516,19 @@ class OpenAIIngress:
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [self._top_with_sampled(lp) for lp in lps], "text_offset": offsets}
 
+    def _prompt_logprobs(self, entries, prompt_ids: list[int]) -> dict:
+        """The echoed prompt's part of completions logprobs: the first token has none."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for tok, lp in zip(prompt_ids, entries or []):
+            piece = self._piece(tok)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else self._top_with_sampled(lp))
+            out["text_offset"].append(offset)
+            offset += len(piece)
+        return out
+
     def _top_with_sampled(self, lp) -> dict[str, float]:
         """The legacy completions API's alternatives: the `logprobs` likeliest tokens and
         the sampled one, which OpenAI always includes (up to `logprobs` + 1 entries)."""
@@ -522,14 +548,20 @@ class OpenAIIngress:
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
 
+def _joined(a: dict, b: dict) -> dict:
+    """Two parts of completions logprobs, one after the other."""
+    return {k: a[k] + b[k] for k in a}
+
+
 class _Usage:
     def __init__(self):
         self.prompt = self.completion = self.cached = 0
 
-    def add(self, out):
+    def add(self, out, completion: bool = True):
+        """`completion` False: the tokens made are not handed out (an echo-only request)."""
         if out is not None:
             self.prompt += len(out.prompt_token_ids)
-            self.completion += sum(len(o.token_ids) for o in out.outputs)
+            self.completion += sum(len(o.token_ids) for o in out.outputs) if completion else 0
             self.cached += out.num_cached_tokens
         return self
 

@@ -165,8 +165,15 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo_only(self):
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise ValueError("max_tokens 0 scores the prompt alone: it needs echo, without stream")
+        return self
     suffix: str | None = None
     best_of: int | None = None
 

@@ -177,6 +177,8 @@ class LLMEngine:
         ids = self._validate(prompt, prompt_token_ids, params)
         stops = params.stop
         seqs = [Sequence(request_id, i, ids, params, priority, cache_salt) for i in range(params.n)]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None]   # the first token has none; the others share the prompt
         if params.min_tokens:
             early = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             for s in seqs:
@@ -312,6 +314,11 @@ class LLMEngine:
     def _process(self, pending: PendingStep, tokens: list) -> list[RequestOutput]:
         """Runs for every sequence every step, so it keeps to plain attribute reads.
         Touches no MLX array: it may run on the worker thread while MLX encodes."""
+        if pending.prompt is not None:
+            for (seq, first, _), entries in zip(pending.prompt.spans, pending.prompt.entries):
+                have, new = seq.prompt_logprobs, len(seq.prompt_logprobs) - 1 - first
+                if new >= 0:   # a recomputed prompt adds nothing twice
+                    have.extend(entries[new:])
         touched: dict[str, _Request] = {}
         requests, finished, appended = self.requests, SequenceStatus.FINISHED, 0
         for seq, pos, tok in zip(pending.seqs, pending.positions, tokens):
@@ -361,9 +368,12 @@ class LLMEngine:
                                           if s.first_scheduled_time is not None), default=None)
         elif not finished:
             m = None
+        first = req.seqs[0].prompt_logprobs
+        prompt_lps = list(first) if first is not None and (whole or m is not None) else None
         if not whole:
-            return RequestOutput(req.request_id, None, [], outs, False, cached, m)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, m)
+            return RequestOutput(req.request_id, None, [], outs, False, cached, m, prompt_lps)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, cached, m,
+                             prompt_lps)
 
     def _completion(self, req: _Request, seq: Sequence, whole: bool) -> CompletionOutput:
         """`whole`: with the cumulative text, token ids and logprobs, not only deltas."""

@@ -20,7 +20,7 @@ from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
 from .models.loader import kv_geometry
 from .outputs import Logprob
-from .sampling import SampleResult, sample
+from .sampling import SampleResult, sample, token_logprobs
 from .scheduler import ScheduledSeq
 from .sequence import PLACEHOLDER
 
@@ -39,6 +39,20 @@ class SampledToken:
 
 
 @dataclass
+class PromptRows:
+    """Prompt positions whose next token's logprob a step computes: for each sequence
+    that wants prompt logprobs, `count` positions from `first` (position p gives prompt
+    token p + 1's logprob). The arrays are lazy until `ModelRunner.collect`, which puts
+    the host's `Logprob`s in `entries`, one list per (seq, first, count)."""
+
+    spans: list[tuple]
+    logprobs: mx.array
+    top_ids: mx.array | None
+    top_logprobs: mx.array | None
+    entries: list[list[Logprob]] = field(default_factory=list)
+
+
+@dataclass
 class PendingStep:
     """A step queued on the device: its sampling sequences, in row order, and the lazy
     sampled arrays; `row_of` maps a sequence id to its row."""
@@ -47,6 +61,7 @@ class PendingStep:
     result: SampleResult | None
     row_of: dict[int, int]
     positions: list[int] = field(default_factory=list)   # where each sampled token goes
+    prompt: PromptRows | None = None
 
 
 class ModelRunner:
@@ -99,18 +114,22 @@ class ModelRunner:
         return pick(self.model(inputs, cache=self.caches))
 
     def forward(self, scheduled: list[ScheduledSeq], split_head: bool | None = None,
-                prev: "PendingStep | None" = None) -> mx.array:
-        """Build and return the lazy logits (S, V) of the sampling rows, in order. An input
-        token still in flight (`PLACEHOLDER`) is read from `prev`'s sampled tokens on
-        the device, so this step can be queued before the previous one is read back.
-        A step of decodes only goes through the compiled decode graph when there is one."""
+                prev: "PendingStep | None" = None, prompt_spans: list[tuple] = ()) -> mx.array:
+        """Build and return the lazy logits (S, V) of the sampling rows, in order, then of
+        the prompt positions in `prompt_spans` ((seq, first, count), see `PromptRows`).
+        An input token still in flight (`PLACEHOLDER`) is read from `prev`'s sampled
+        tokens on the device, so this step can be queued before the previous one is read
+        back. A step of decodes only goes through the compiled decode graph when there
+        is one."""
         tables, starts, lengths, tokens, rows, ends = [], [], [], [], [], []
         fill_rows, fill_src = [], []
+        offset = {}   # seq id -> (its first row, its chunk's start, its block table)
         t = 0
         self.ctx.sampled = None
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
+            offset[s.seq.seq_id] = (t, s.start, tables[-1])
             starts.append(s.start)
             lengths.append(s.num_tokens)
             toks = s.seq.token_ids[s.start:end]
@@ -123,6 +142,10 @@ class ModelRunner:
             if s.samples:
                 rows.append(t - 1)
                 ends.append((end, tables[-1]))
+        for seq, first, count in prompt_spans:
+            base, start, table = offset[seq.seq_id]
+            rows.extend(base + p - start for p in range(first, first + count))
+            ends.extend((p + 1, table) for p in range(first, first + count))
         if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
             inputs = prev.result.tokens   # steady decode: last step's samples, in order
         else:
@@ -130,7 +153,7 @@ class ModelRunner:
             if fill_rows:
                 inputs[mx.array(fill_rows)] = prev.result.tokens[mx.array(fill_src)]
         if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows) \
-                and self.decode_graph.accepts(t):
+                and not prompt_spans and self.decode_graph.accepts(t):
             return self.decode_graph(inputs, tables, starts)
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,
@@ -138,7 +161,7 @@ class ModelRunner:
         if rows and len(rows) < t:
             self.ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
-        rows_m = None if len(rows) == t else mx.array(rows, dtype=mx.int32)
+        rows_m = None if rows == list(range(t)) else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)
 
     def _sampled_rows(self, rows: list[int], ends: list[tuple[int, list[int]]]) -> SampledRows:
@@ -154,11 +177,31 @@ class ModelRunner:
     def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
         """Build a step's graph, forward pass and sampling, lazily: nothing is queued on
         the device yet, so this runs while `prev` does."""
-        logits = self.forward(scheduled, prev=prev)
+        spans = self._prompt_spans(scheduled)
+        logits = self.forward(scheduled, prev=prev, prompt_spans=spans)
         seqs = [s.seq for s in scheduled if s.samples]
-        if not seqs:
-            return PendingStep([], None, {})
-        return PendingStep(seqs, sample(logits, seqs), {seq.seq_id: i for i, seq in enumerate(seqs)})
+        sampling = logits[:len(seqs)] if spans else logits
+        step = PendingStep(seqs, sample(sampling, seqs) if seqs else None,
+                           {seq.seq_id: i for i, seq in enumerate(seqs)})
+        if spans:
+            targets = [seq.token_ids[p + 1] for seq, first, count in spans for p in range(first, first + count)]
+            k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
+            lps = token_logprobs(logits[len(seqs):].astype(mx.float32), mx.array(targets, dtype=mx.int32), k)
+            step.prompt = PromptRows(spans, *lps)
+        return step
+
+    @staticmethod
+    def _prompt_spans(scheduled: list[ScheduledSeq]) -> list[tuple]:
+        """The prompt positions of this step whose logprobs are still wanted."""
+        spans = []
+        for s in scheduled:
+            seq = s.seq
+            if seq.wants_prompt_logprobs:
+                first = max(s.start, len(seq.prompt_logprobs) - 1)
+                last = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)
+                if last > first:
+                    spans.append((seq, first, last - first))
+        return spans
 
     def queue(self, pending: "PendingStep") -> None:
         """Queue a built step on the device (`mx.async_eval`) and return. Encoding the
@@ -167,10 +210,11 @@ class ModelRunner:
         Call `wait()` first if a step is still running: MLX writes the pool in place
         only if no queued work still holds its buffer, and queued behind a running
         step, every KV write would copy its layer's whole pool array."""
-        res = pending.result
-        outs = [] if res is None else [a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
-                                       if a is not None]
-        mx.async_eval(*outs, *self.pool.arrays())
+        res, pr = pending.result, pending.prompt
+        outs = [] if res is None else [res.tokens, res.logprobs, res.top_ids, res.top_logprobs]
+        if pr is not None:
+            outs += [pr.logprobs, pr.top_ids, pr.top_logprobs]
+        mx.async_eval(*(a for a in outs if a is not None), *self.pool.arrays())
 
     @staticmethod
     def wait() -> None:
@@ -179,7 +223,21 @@ class ModelRunner:
 
     @staticmethod
     def collect(pending: "PendingStep") -> list[SampledToken]:
-        """Wait for a launched step and bring its sampled tokens to the host."""
+        """Wait for a launched step and bring its sampled tokens to the host, and its
+        prompt logprobs into `pending.prompt.entries`."""
+        pr = pending.prompt
+        if pr is not None:
+            lps = pr.logprobs.tolist()
+            ids = pr.top_ids.tolist() if pr.top_ids is not None else None
+            tops = pr.top_logprobs.tolist() if pr.top_logprobs is not None else None
+            i = 0
+            for seq, first, count in pr.spans:
+                k, entries = seq.params.prompt_logprobs, []
+                for p in range(first, first + count):
+                    top = list(zip(ids[i][:k], tops[i][:k])) if k else []
+                    entries.append(Logprob(seq.token_ids[p + 1], lps[i], top))
+                    i += 1
+                pr.entries.append(entries)
         res = pending.result
         if res is None:
             return []

@@ -90,6 +90,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None   # on the first output with tokens and on the last
+    prompt_logprobs: list[Logprob | None] | None = None   # when asked for: first and whole outputs
 
     def absorb(self, newer: "RequestOutput") -> "RequestOutput":
         """`newer`, with this output's deltas in front of its own: one output standing
@@ -103,6 +104,8 @@ class RequestOutput:
                 o.delta_logprobs = list(prev.delta_logprobs) + list(o.delta_logprobs)
         if newer.metrics is None:
             newer.metrics = self.metrics
+        if newer.prompt_logprobs is None:
+            newer.prompt_logprobs = self.prompt_logprobs
         return newer
 
     @property

@@ -127,13 +127,17 @@ def sample(logits: mx.array, seqs: list[Sequence]) -> SampleResult:
     want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
     if not want:
         return SampleResult(tokens)
+    return SampleResult(tokens, *token_logprobs(logits, tokens, max(want)))
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
+    """The logprob of `tokens[i]` under row i of `logits` (B, V), and with `k` > 0 the
+    k likeliest ids and their logprobs per row, likeliest first (lazy arrays)."""
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    sampled = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-    k = max(want)
+    picked = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     if k == 0:
-        return SampleResult(tokens, sampled)
+        return picked, None, None
     top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
     top_lp = mx.take_along_axis(lp, top, axis=-1)
     order = mx.argsort(-top_lp, axis=-1)
-    return SampleResult(tokens, sampled, mx.take_along_axis(top, order, axis=-1),
-                        mx.take_along_axis(top_lp, order, axis=-1))
+    return picked, mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(top_lp, order, axis=-1)

@@ -17,6 +17,9 @@ class SamplingParams:
     `min_tokens`: until this many tokens are out, neither EOS nor `stop_token_ids` can
     be sampled and stop strings are not looked for. `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=None` returns none; `logprobs=k` returns the sampled token's logprob plus the top k.
+    `prompt_logprobs=k`: each prompt token's logprob (the first's is None) plus the top k
+    at its position, on the request's first output and its whole ones; the prompt is
+    then computed in full, without prefix cache hits.
     `output_kind="delta"`: outputs before the last carry only what is new (`delta_*`;
     their text, token ids, logprobs and prompt are empty) and the last carries it all,
     so an output costs the same however long the request has run (streaming servers);
@@ -36,6 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -91,6 +95,9 @@ class SamplingParams:
                 "repetition_penalty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+                "prompt_logprobs")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             bad(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}", "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -45,6 +45,13 @@ class Sequence:
     num_preemptions: int = 0
     grammar: Grammar | None = None                        # structured outputs: what may come next
     early_stop_ids: tuple[int, ...] = ()                  # banned before `min_tokens`: EOS, stop ids
+    prompt_logprobs: list[Logprob | None] | None = None   # asked for: one per prompt token so far
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all in: the prompt must be computed."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < self.num_prompt_tokens
 
     def __post_init__(self):
         if not self.token_ids:

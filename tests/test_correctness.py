@@ -8,6 +8,7 @@ what catches a wrong-but-plausible path.
 
 import random
 
+import mlx.core as mx
 import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
@@ -93,6 +94,45 @@ def test_concurrent_staggered_prefix_chunked_preempted(arch, monkeypatch):
     assert s["num_blocks_held_by_requests"] == 0
     for i, p in enumerate(prompts):
         _check(engine, outs[f"r{i}"], p, TOL[name])
+
+
+def _reference_prompt_logprobs(path, prompt_ids):
+    from .conftest import _mlx_lm_model
+
+    logits = _mlx_lm_model(path)(mx.array([prompt_ids]))[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def test_prompt_logprobs_match_mlx_lm(arch, monkeypatch):
+    """Each prompt token's logprob (and the top 3 at its position) as mlx-lm's forward
+    pass gives them: under chunked prefill, with the prompt already in the prefix cache
+    (which a request with prompt logprobs must not use), beside requests that do use it,
+    with n = 2, and on a pool small enough to preempt."""
+    monkeypatch.setattr(engine_module, "OVERLAP_MIN_SEQS", 1)
+    name, path = arch
+    rng = random.Random(5)
+    prompts = [_prompt(rng, n) for n in (40, 23, 57, 9)]
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=24, block_size=8, max_num_batched_tokens=24,
+                                    max_num_seqs=6))
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))   # now cached
+    params = [SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=3, n=2 if i == 2 else 1,
+                             ignore_eos=True) for i in range(len(prompts))]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = engine.generate(prompts + prompts[:2], params + [plain, plain])
+    s = engine.stats()
+    assert s["preemptions"] > 0, "the pool was meant to force preemption"
+    assert outs[4].num_cached_tokens > 0 and outs[0].num_cached_tokens == 0
+    assert s["num_blocks_held_by_requests"] == 0
+    for p, out in zip(prompts, outs):
+        ref = _reference_prompt_logprobs(path, p)
+        assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+        for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
+            assert lp.token_id == p[i] and abs(lp.logprob - ref[i - 1, p[i]].item()) <= TOL[name]
+            assert len(lp.top) == 3
+            for t, v in lp.top:
+                assert abs(v - ref[i - 1, t].item()) <= TOL[name]
+            assert lp.top[0][1] >= ref[i - 1].max().item() - TOL[name]
+    assert outs[4].prompt_logprobs is None
 
 
 def test_prompt_ending_on_block_boundary_hits_cache(model_dirs):

@@ -418,6 +418,35 @@ def test_reasoning_comes_apart_from_content(server):
     assert "<think>\n\n</think>" in text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, engine):
+    """`echo` with `logprobs` gives each prompt token's logprob (the first has none), as
+    the engine's `prompt_logprobs`; `max_tokens: 0` scores the prompt alone (what
+    evaluation harnesses ask); streamed, the opening chunk carries them."""
+    prompt = "The baker rose before the sun"
+    ids = engine.tokenizer.encode(prompt)
+    want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    want = [w.logprob for w in want.prompt_logprobs[1:]]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == prompt and lp.text_offset[-1] == len(prompt) - len(lp.tokens[-1])
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4) and r.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=1,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].text == prompt
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
 def test_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt="The river", max_tokens=30, temperature=0)
     text = full.choices[0].text

@@ -32,10 +32,12 @@ class KVCacheManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached leading blocks of a sequence that holds none. At least one token is
-        left to compute, because its logits are needed to sample."""
+        left to compute, because its logits are needed to sample; all of them while its
+        prompt logprobs are wanted."""
         assert not seq.block_ids
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = self._hashes(seq)[:max_blocks] if self.cache.enabled else []
+        use = self.cache.enabled and not seq.wants_prompt_logprobs
+        hashes = self._hashes(seq)[:max_blocks] if use else []
         return self.cache.lookup(hashes, seq.num_tokens, self.block_size)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
