@@ -129,7 +129,8 @@ class ModelRunner:
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
-            offset[s.seq.seq_id] = (t, s.start, tables[-1])
+            if prompt_spans:
+                offset[s.seq.seq_id] = (t, s.start, tables[-1])
             starts.append(s.start)
             lengths.append(s.num_tokens)
             toks = s.seq.token_ids[s.start:end]
@@ -161,7 +162,8 @@ class ModelRunner:
         if rows and len(rows) < t:
             self.ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
-        rows_m = None if rows == list(range(t)) else mx.array(rows, dtype=mx.int32)
+        in_order = len(rows) == t and not prompt_spans   # every row samples, in order
+        rows_m = None if in_order else mx.array(rows, dtype=mx.int32)
         return self._logits(inputs[:, None], rows_m, split)
 
     def _sampled_rows(self, rows: list[int], ends: list[tuple[int, list[int]]]) -> SampledRows:
