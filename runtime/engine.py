@@ -30,7 +30,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import PLACEHOLDER, Sequence, SequenceStatus
-from .structured_output import GrammarCompiler
+from .structured_output import GrammarCompiler, reasoning_state
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,10 @@ class LLMEngine:
         if params.structured_outputs is not None:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self._hf, self.vocab_size, self.eos_token_ids)
-            grammar = self._grammars.compile(params.structured_outputs)
+            so = params.structured_outputs
+            # A Lark grammar can name the think markers itself: it holds the whole text.
+            gate = reasoning_state(self.tokenizer, ids) if so.grammar is None else (None, "answer")
+            grammar = self._grammars.compile(so, *gate)
             for s in seqs:
                 s.grammar = grammar if s.index == 0 else grammar.copy()
         detoks = [IncrementalDetokenizer(self._hf, ids, stops, params.skip_special_tokens) for _ in seqs]

@@ -69,7 +69,7 @@ def _apply_penalties(logits: mx.array, seqs: list[Sequence]) -> mx.array:
 
 def _apply_grammars(logits: mx.array, seqs: list[Sequence]) -> mx.array:
     """Structured outputs: -inf for every token a sequence's grammar does not allow next."""
-    idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    idx = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.masks]
     if not idx:
         return logits
     allowed = allowed_tokens([seqs[i].grammar for i in idx], logits.shape[-1])

@@ -10,7 +10,9 @@ step back before it queues the next (as it does for penalties).
 
 JSON is generated compact (", " and ": " between items, no other whitespace): a model
 cannot spend its token budget on blank space, and the text parses as soon as the
-grammar closes.
+grammar closes. For a thinking model the constraint holds the answer, after the
+reasoning, as vLLM's reasoning parsers do (`reasoning_state`); a Lark grammar, which can
+name the think markers, holds the whole text.
 """
 
 import json
@@ -77,26 +79,67 @@ class StructuredOutputsParams:
         return self
 
 
+THINK_TAIL = 16   # prompt tokens where a template opens or closes the reasoning
+
+
+def reasoning_state(tokenizer, prompt_ids: list[int]) -> tuple[tuple[int, int] | None, str]:
+    """Where a constraint starts for a thinking model (mlx-lm's tokenizer knows its
+    think markers, one token each): the constraint holds the answer, not the reasoning.
+    Returns the (start, end) marker ids and the state to begin in: "answer" when the
+    prompt's tail closes the reasoning (Qwen3 with `enable_thinking: false`), "thinking"
+    when it opens it (DeepSeek-R1's template), else "may_think": the first token may
+    open it, so a model of a thinking vocabulary that answers at once is constrained
+    from its first token."""
+    start, end = getattr(tokenizer, "think_start_tokens", None), getattr(tokenizer, "think_end_tokens", None)
+    if not getattr(tokenizer, "has_thinking", False) or len(start or ()) != 1 or len(end or ()) != 1:
+        return None, "answer"
+    tail = list(prompt_ids[-THINK_TAIL:])
+    last_start = max((i for i, t in enumerate(tail) if t == start[0]), default=-1)
+    last_end = max((i for i, t in enumerate(tail) if t == end[0]), default=-1)
+    state = "answer" if last_end > last_start else "thinking" if last_start > last_end else "may_think"
+    return (start[0], end[0]), state
+
+
 class Grammar:
-    """One sequence's matcher: the tokens it allows next, and the tokens it consumes."""
+    """One sequence's matcher: the tokens it allows next, and the tokens it consumes.
 
-    __slots__ = ("matcher", "words")
+    For a thinking model (`think`: its start and end marker ids) the matcher holds the
+    answer only: `state` "thinking" leaves the tokens free until the end marker;
+    "may_think" allows the start marker besides what the matcher allows, first."""
 
-    def __init__(self, matcher: LLMatcher, words: int):
+    __slots__ = ("matcher", "words", "think", "state")
+
+    def __init__(self, matcher: LLMatcher, words: int, think: tuple[int, int] | None = None,
+                 state: str = "answer"):
         self.matcher, self.words = matcher, words   # words: the bitmask's 32-bit words
+        self.think, self.state = think, state
+
+    @property
+    def masks(self) -> bool:
+        return self.state != "thinking"
 
     def consume(self, token: int) -> bool:
         """Advance past a sampled token. False once nothing more may follow: the
         grammar is complete (or, never for a masked token, broken)."""
+        if self.state == "thinking":
+            if token == self.think[1]:
+                self.state = "answer"
+            return True
+        if self.state == "may_think":
+            self.state = "thinking" if token == self.think[0] else "answer"
+            if self.state == "thinking":
+                return True
         m = self.matcher
         return m.consume_token(token) and not m.is_stopped()
 
     def copy(self) -> "Grammar":
         """A grammar in the same state, for another sequence of the request."""
-        return Grammar(self.matcher.deep_copy(), self.words)
+        return Grammar(self.matcher.deep_copy(), self.words, self.think, self.state)
 
     def fill(self, row: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self.state == "may_think":
+            row[self.think[0] // 32] |= np.uint32(1 << (self.think[0] % 32))
 
 
 class GrammarCompiler:
@@ -112,12 +155,15 @@ class GrammarCompiler:
                                      eos_token=sorted(eos_token_ids))
         self.words = -(-self.tokenizer.vocab_size // 32)
 
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
+    def compile(self, params: StructuredOutputsParams, think: tuple[int, int] | None = None,
+                state: str = "answer") -> Grammar:
+        """`think`, `state`: a thinking model's markers and where to begin
+        (`reasoning_state`)."""
         m = LLMatcher(self.tokenizer, params.grammar_spec(), log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"the structured output constraint is not valid: {m.get_error()}",
                                       "structured_outputs")
-        return Grammar(m, self.words)
+        return Grammar(m, self.words, think, state)
 
 
 def allowed_tokens(grammars: list[Grammar], vocab_size: int) -> mx.array:

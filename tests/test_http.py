@@ -376,7 +376,7 @@ def test_auto_tool_calls_parsed_with_mlx_lms_parser(server):
     regex = (r'Checking\.<tool_call>\n\{"name": "get_weather", "arguments": '
              r'\{"city": "(Paris|Oslo)", "unit": "C"\}\}\n</tool_call>')
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=200,
-              extra_body={"structured_outputs": {"regex": regex}})
+              extra_body={"structured_outputs": {"regex": regex}, "chat_template_kwargs": {"enable_thinking": False}})
     choice = client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
     (call,) = choice.message.tool_calls

@@ -206,3 +206,53 @@ def test_bad_constraints_are_typed_errors(engine, bad, words):
     assert e.value.param == "structured_outputs"
     assert not engine.has_unfinished_requests()
     assert engine.generate("hi", _params(CONSTRAINTS["choice"]))[0].outputs[0].text in CONSTRAINTS["choice"].choice
+
+
+def test_a_thinking_model_reasons_freely_then_answers_in_the_grammar(format_model):
+    """A model whose vocabulary has "<think>" (mlx-lm gives it a thinking format): the
+    constraint holds what follows the reasoning. Where the prompt opens the reasoning,
+    the tokens are free until "</think>" (pushed here by a bias), then JSON of the
+    schema; otherwise the first token may open it, and the same follows; where the
+    prompt closes it (`enable_thinking: false`) or the model answers at once, the first
+    token is already held."""
+    from runtime.structured_output import reasoning_state
+
+    engine = LLMEngine(EngineConfig(model=format_model, num_gpu_blocks=128))
+    tok = engine.tokenizer
+    start, end = tok.think_start_tokens[0], tok.think_end_tokens[0]
+    msgs = [{"role": "user", "content": "Answer in JSON."}]
+    prompt = {kw: tok.apply_chat_template(msgs, add_generation_prompt=True, **dict(kw))
+              for kw in ((), (("think_open", True),), (("enable_thinking", False),))}
+    states = [reasoning_state(tok, ids)[1] for ids in prompt.values()]
+    assert states == ["may_think", "thinking", "answer"]
+    so = CONSTRAINTS["json_schema"]
+    opened = engine.generate([prompt[(("think_open", True),)]], _params(so, 80, logit_bias={end: 100.0}))[0]
+    out = opened.outputs[0]
+    assert out.token_ids[0] == end and out.finish_reason == "stop"
+    assert _valid(out.text.split("</think>", 1)[1], so), out.text
+    # This random model opens its reasoning when it may; pushed to close it, it answers.
+    out = engine.generate([prompt[()]], _params(so, 80, logit_bias={end: 100.0}))[0].outputs[0]
+    assert out.token_ids[:2] == [start, end] and out.finish_reason == "stop"
+    assert _valid(out.text.split("</think>", 1)[1], so), out.text
+    # Kept from opening it, or told not to think, it is held from its first token.
+    for kw, bias in (((), {start: -100.0}), ((("enable_thinking", False),), {})):
+        out = engine.generate([prompt[kw]], _params(so, 80, logit_bias=bias))[0].outputs[0]
+        assert start not in out.token_ids and out.finish_reason == "stop" and _valid(out.text, so), out.text
+
+
+def test_may_think_lets_the_start_marker_through_first(format_model):
+    from runtime.structured_output import GrammarCompiler
+
+    engine = LLMEngine(EngineConfig(model=format_model, num_gpu_blocks=16))
+    start, end = engine.tokenizer.think_start_tokens[0], engine.tokenizer.think_end_tokens[0]
+    compiler = GrammarCompiler(engine.tokenizer._tokenizer, engine.vocab_size, engine.eos_token_ids)
+    g = compiler.compile(CONSTRAINTS["choice"], (start, end), "may_think")
+    row = np.zeros(g.words, dtype=np.uint32)
+    g.fill(row)
+    allowed = set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0])
+    assert start in allowed and end not in allowed and len(allowed) > 1
+    assert g.consume(start) and g.state == "thinking" and not g.masks
+    assert g.consume(7) and g.consume(end) and g.state == "answer" and g.masks
+    plain = compiler.compile(CONSTRAINTS["choice"], (start, end), "may_think")
+    red = engine.tokenizer.encode("red")[0]
+    assert plain.consume(red) and plain.state == "answer"
