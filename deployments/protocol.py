@@ -269,6 +269,13 @@ class FunctionDefinition(_Strict):
     parameters: dict | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _object(cls, v):
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be the JSON Schema of an object")
+        return v
+
 
 class Tool(_Strict):
     type: Literal["function"]

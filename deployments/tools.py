@@ -14,6 +14,7 @@ model wrote becomes OpenAI `tool_calls`.
 
 import json
 import logging
+import re
 import uuid
 
 from runtime.structured_output import StructuredOutputsParams
@@ -28,6 +29,11 @@ def call_id() -> str:
 def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
     call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
     return call if index is None else {"index": index, **call}
+
+
+# The next call of a "required" list, up to where its parameters begin (the constraint's
+# compact JSON: ", " and ": " between items).
+_REQUIRED_CALL = re.compile(r'(?:\}?(?:, |\[))\{"name": "((?:[^"\\]|\\.)*)", "parameters": ')
 
 
 def _parameters(tool: dict) -> dict:
@@ -63,17 +69,25 @@ class ToolOutput:
         self.done = 0         # how much of it has been handed out or parsed
         self.calls = 0        # tool calls handed out
         self.streamed = False
+        self.depth = None     # "required": nesting inside the current call's parameters
+        self.in_string = self.escaped = False
 
     # -- whole ------------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The whole message for a finished completion, and its finish reason."""
-        self.text = text
-        content, calls = self.close()
-        for c in calls:
-            c.pop("index")
-        message = {"role": "assistant", "content": content or None}
+        """The whole message for a finished completion, and its finish reason: what
+        streaming would send, each call's pieces joined."""
+        content, pieces = self.feed(text)
+        more, more_pieces = self.close()
+        calls: dict[int, dict] = {}
+        for piece in pieces + more_pieces:
+            i = piece.pop("index")
+            if i in calls:
+                calls[i]["function"]["arguments"] += piece["function"]["arguments"]
+            else:
+                calls[i] = piece
+        message = {"role": "assistant", "content": (content + more) or None}
         if calls:
-            message["tool_calls"] = calls
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
         return message, self.finish_reason(finish_reason)
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -90,7 +104,7 @@ class ToolOutput:
         if self.mode == "auto":
             return self._auto(final=False)
         if self.mode == "required":
-            return "", []   # the whole list is parsed at the end
+            return "", self._required()
         # A named function: the text is its arguments, streamed as OpenAI streams them.
         calls = []
         if not self.streamed:
@@ -106,17 +120,41 @@ class ToolOutput:
         if self.mode == "auto":
             return self._auto(final=True)
         if self.mode == "required":
-            return "", self._required()
+            return "", []
         return "", [] if self.streamed else [tool_call(self.mode, self.text, 0)]
 
     def _required(self) -> list[dict]:
-        try:
-            items = json.loads(self.text)
-        except json.JSONDecodeError:
-            return []   # cut short by max_tokens: no call is whole
-        self.calls = len(items)
-        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False), i)
-                for i, c in enumerate(items)]
+        """The list the constraint holds the text to, `[{"name": ..., "parameters": {...}},
+        ...]`, read as it grows: a call's header once its name is whole, then its
+        parameters object as argument pieces, up to the brace that closes it."""
+        out = []
+        while True:
+            if self.depth is None:   # between calls: wait for the next one's name
+                m = _REQUIRED_CALL.match(self.text, self.done)
+                if m is None:
+                    return out
+                out.append(tool_call(json.loads(f'"{m.group(1)}"'), "", self.calls))
+                self.calls += 1
+                self.done, self.depth, self.in_string, self.escaped = m.end(), 0, False, False
+            start, i, text = self.done, self.done, self.text
+            while i < len(text) and self.depth is not None:
+                ch = text[i]
+                i += 1
+                if self.in_string:
+                    self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
+                elif ch == '"':
+                    self.in_string = True
+                elif ch in "{[":
+                    self.depth += 1
+                elif ch in "}]":
+                    self.depth -= 1
+                    if self.depth == 0:
+                        self.depth = None   # the parameters are whole
+            if i > start:
+                out.append({"index": self.calls - 1, "function": {"arguments": text[start:i]}})
+            self.done = i
+            if self.depth is not None:
+                return out
 
     def _auto(self, final: bool) -> tuple[str, list[dict]]:
         """Content before a start marker goes out, except a tail that may be the start of

@@ -79,7 +79,20 @@ def test_named_streams_arguments_and_required_parses_the_list(tokenizer):
     assert _plain(whole["tool_calls"]) == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Paris"})]
     assert reason == "tool_calls"
     cut, reason = ToolOutput("required").message(listed[:40], "length")
-    assert "tool_calls" not in cut and reason == "length"
+    head = '[{"name": "get_time", "parameters": '
+    assert [c["function"] for c in cut["tool_calls"]] == [{"name": "get_time", "arguments": listed[len(head):40]}]
+    assert reason == "length"   # as streamed: the call, its arguments cut short
+    for seed in range(20):   # streamed in any pieces: headers, then argument pieces
+        content, pieces = _streamed(ToolOutput("required"), listed, random.Random(seed))
+        calls = {}
+        for p in pieces:
+            calls.setdefault(p["index"], {"name": p["function"].get("name"), "arguments": ""})
+            calls[p["index"]]["arguments"] += p["function"]["arguments"]
+        assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+            [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Paris"})]
+    tricky = '[{"name": "get_time", "parameters": {"zone": "a}\\"]{"}}]'
+    (call,), _ = ToolOutput("required").message(tricky, "stop")[0]["tool_calls"], None
+    assert json.loads(call["function"]["arguments"]) == {"zone": 'a}"]{'}
 
 
 @pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("named", True)])

@@ -359,8 +359,9 @@ def test_required_tool_choice_and_auto_without_a_tool_format(client):
     call = choice.message.tool_calls[0]
     assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-    assert [(c.function.name, c.function.arguments) for c in calls] == [(call.function.name, call.function.arguments)]
+    pieces = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert pieces[0].id and pieces[0].function.name == call.function.name and {p.index for p in pieces} == {0}
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments and len(pieces) > 2
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     for choice_kw in ({}, {"tool_choice": "auto"}):
         with pytest.raises(openai.BadRequestError) as e:

@@ -132,6 +132,8 @@ BAD_INPUTS = [
         "type": "function", "function": {"name": "other"}}}, 400),
     ("tool parameters not a schema", CH, {**CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "objectx"}}}], "tool_choice": "required"}, 400),
+    ("tool parameters not an object", CH, {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}], "tool_choice": "required"}, 400),
     ("auto tools on a model without a tool format", CH, {**CHAT, "tools": [TOOL]}, 400),
     ("tool message without tool_call_id", CH, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400),
     ("chat_template_kwargs sets tokenize", CH, {**CHAT, "chat_template_kwargs": {"tokenize": False}}, 400),
