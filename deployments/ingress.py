@@ -30,8 +30,9 @@ from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
+from .chat_output import ChoiceParser
 from .reasoning import ReasoningSplit, starts_in_reasoning
-from .tools import ChoiceParser, ToolOutput
+from .tools import ToolOutput
 
 log = logging.getLogger("ray.serve")
 

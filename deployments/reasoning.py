@@ -8,7 +8,7 @@ then starts inside it, as mlx-lm's server decides, from where the last start mar
 the prompt's tokens lies against the last end marker.
 """
 
-from .tools import partial_marker
+from .chat_output import partial_marker
 
 
 def starts_in_reasoning(tokenizer, prompt_ids: list[int]) -> bool:

@@ -10,7 +10,8 @@ import pytest
 
 from deployments.protocol import ChatCompletionRequest, chat_prompt_ids
 from deployments.reasoning import ReasoningSplit, starts_in_reasoning
-from deployments.tools import ChoiceParser, ToolOutput
+from deployments.chat_output import ChoiceParser
+from deployments.tools import ToolOutput
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
 
