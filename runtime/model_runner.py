@@ -123,14 +123,14 @@ class ModelRunner:
         is one."""
         tables, starts, lengths, tokens, rows, ends = [], [], [], [], [], []
         fill_rows, fill_src = [], []
-        offset = {}   # seq id -> (its first row, its chunk's start, its block table)
+        offset = {}   # seq id -> (its first row, its chunk's start)
         t = 0
         self.ctx.sampled = None
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
             if prompt_spans:
-                offset[s.seq.seq_id] = (t, s.start, tables[-1])
+                offset[s.seq.seq_id] = (t, s.start)
             starts.append(s.start)
             lengths.append(s.num_tokens)
             toks = s.seq.token_ids[s.start:end]
@@ -144,9 +144,8 @@ class ModelRunner:
                 rows.append(t - 1)
                 ends.append((end, tables[-1]))
         for seq, first, count in prompt_spans:
-            base, start, table = offset[seq.seq_id]
+            base, start = offset[seq.seq_id]
             rows.extend(base + p - start for p in range(first, first + count))
-            ends.extend((p + 1, table) for p in range(first, first + count))
         if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
             inputs = prev.result.tokens   # steady decode: last step's samples, in order
         else:
@@ -159,7 +158,9 @@ class ModelRunner:
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,
                                        plan_per_shape=self.plan_per_shape)
-        if rows and len(rows) < t:
+        # The last layer attends for the sampling rows alone, unless prompt rows are
+        # wanted too: then it runs for all, as a plain prefill does.
+        if rows and len(rows) < t and not prompt_spans:
             self.ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
         in_order = len(rows) == t and not prompt_spans   # every row samples, in order
