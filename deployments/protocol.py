@@ -228,11 +228,22 @@ class ToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
+    """A message as clients send it, including an assistant message that a client hands
+    back as the `openai` client returned it: its `reasoning` (ours; vLLM's older name
+    `reasoning_content`) goes back to the template, which some show on later turns, and
+    OpenAI's empty `refusal`, `annotations`, `audio` and `function_call` are accepted."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -240,6 +251,8 @@ class ChatMessage(_Strict):
             raise ValueError("only assistant messages carry tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool messages, and only they, carry tool_call_id")
+        if (self.reasoning or self.reasoning_content) and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning")
         return self
 
     def text(self) -> str:
@@ -260,6 +273,9 @@ class ChatMessage(_Strict):
                                for c in self.tool_calls]
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning or self.reasoning_content
+        if reasoning:
+            m["reasoning_content"] = reasoning   # the name Qwen3's and DeepSeek's templates read
         return m
 
 

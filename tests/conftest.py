@@ -45,11 +45,12 @@ def default_model():
 # A ChatML template that shows tools and writes calls as Qwen's do, between <tool_call>
 # markers (mlx-lm infers its `json_tools` parser from it), and thinks as Qwen3 does: off
 # with `enable_thinking: false`; `think_open` ends the prompt inside "<think>", as
-# DeepSeek-R1's template does.
+# DeepSeek-R1's template does; an assistant message's `reasoning_content` is shown again.
 FORMAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call:{% for t in tools %} {{ t.function.name }}{% endfor %}"
     "<|im_end|>\n{% endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
     "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
     "{%- set tool_call = tool_call.function %}"
     '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'

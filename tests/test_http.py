@@ -340,7 +340,7 @@ def test_named_tool_choice_calls_it_and_streams_its_arguments(client):
     assert pieces[0].id and pieces[0].function.name == "get_weather" and len(pieces) > 2
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "stop"
-    turn = ASK + [choice.message.model_dump(exclude_none=True),
+    turn = ASK + [choice.message,   # handed back as the client returned it, the agent loop's way
                   {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, clear"}]
     again = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER, CLOCK], tool_choice="none",
                                            temperature=0, max_tokens=8)
@@ -410,6 +410,18 @@ def test_reasoning_comes_apart_from_content(server):
         return getattr(message, "reasoning", None), message.content, streamed
 
     assert ask('start: <think> "Let me see." </think> "Yes."') == ("Let me see.", "Yes.", ("Let me see.", "Yes."))
+    # The answer handed back as the client returned it: its reasoning reaches the template.
+    message = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=100,
+        extra_body={"structured_outputs": {"grammar": 'start: <think> "Let me see." </think> "Yes."'}},
+    ).choices[0].message
+    turn = ASK + [message, {"role": "user", "content": "Sure?"}]
+    assert client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4).choices[0].message.content is not None
+    shown = httpx.post(server.urls["formats"] + "/tokenize", json={
+        "model": MODEL, "messages": [*ASK, {"role": "assistant", "content": "Yes.", "reasoning": "Let me see."}]})
+    prompt = httpx.post(server.urls["formats"] + "/detokenize", json={
+        "model": MODEL, "tokens": shown.json()["tokens"]}).json()["prompt"]
+    assert "<think>Let me see.</think>Yes." in prompt
     assert ask('start: "Hmm." </think> "Done."', chat_template_kwargs={"think_open": True}) == \
         ("Hmm.", "Done.", ("Hmm.", "Done."))
     assert ask('start: "Plain."', chat_template_kwargs={"enable_thinking": False}) == (None, "Plain.", ("", "Plain."))

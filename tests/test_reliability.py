@@ -136,6 +136,10 @@ BAD_INPUTS = [
         "name": "f", "parameters": {"type": "string"}}}], "tool_choice": "required"}, 400),
     ("auto tools on a model without a tool format", CH, {**CHAT, "tools": [TOOL]}, 400),
     ("tool message without tool_call_id", CH, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400),
+    ("legacy function_call in a message", CH, {**CHAT, "messages": [{"role": "assistant", "content": "x",
+        "function_call": {"name": "f", "arguments": "{}"}}]}, 400),
+    ("reasoning on a user message", CH, {**CHAT, "messages": [{"role": "user", "content": "x", "reasoning": "y"}]},
+     400),
     ("chat_template_kwargs sets tokenize", CH, {**CHAT, "chat_template_kwargs": {"tokenize": False}}, 400),
     ("tool call arguments not JSON", CH, {**CHAT, "messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400),
