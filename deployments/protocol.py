@@ -331,6 +331,14 @@ class _ChatTemplate(_Strict):
 
 class ChatCompletionRequest(_Sampling, _ChatTemplate):
     messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's bookkeeping fields, which change nothing a model generates: accepted and
+    # left unused, so clients that always send them work. Text is the only modality.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[Literal["text"]] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -123,6 +123,19 @@ def test_chat_matches_engine(client, engine):
     assert r.usage.prompt_tokens == len(ids)
 
 
+def test_chat_takes_openais_bookkeeping_fields(client, server, front):
+    """`store`, `metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier` and
+    text-only `modalities`, which some clients always send, change nothing; another
+    modality is a 400."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(**kw, store=False, metadata={"team": "a"}, service_tier="auto",
+                                       prompt_cache_key="k1", safety_identifier="u1", modalities=["text"])
+    assert r.choices[0].message.content == plain
+    bad = httpx.post(server.urls[front] + "/v1/chat/completions", json={**kw, "modalities": ["audio"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("modalities")
+
+
 def test_chat_stream_with_usage_and_content_parts(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}],
