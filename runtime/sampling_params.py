@@ -15,7 +15,8 @@ class SamplingParams:
     """What to sample and when to stop; names follow vLLM's `SamplingParams`.
 
     `min_tokens`: until this many tokens are out, neither EOS nor `stop_token_ids` can
-    be sampled and stop strings are not looked for. `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    be sampled and stop strings are not looked for. `temperature == 0` is greedy.
+    `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=None` returns none; `logprobs=k` returns the sampled token's logprob plus the top k.
     `prompt_logprobs=k`: each prompt token's logprob (the first's is None) plus the top k
     at its position, on the request's first output and its whole ones; the prompt is
@@ -111,5 +112,5 @@ class SamplingParams:
             if vocab_size is not None and not 0 <= tok < vocab_size:
                 bad(f"stop token id {tok} is outside the vocabulary", "stop_token_ids")
         if self.structured_outputs is not None:
-            self.structured_outputs.validate()
+            self.structured_outputs.check()   # the engine's compile checks the grammar
         return self

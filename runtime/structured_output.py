@@ -46,11 +46,28 @@ class StructuredOutputsParams:
     def kinds(self) -> list[str]:
         return [k for k in KINDS if getattr(self, k) not in (None, False)]
 
-    def grammar_spec(self) -> str:
-        """The constraint as an llguidance grammar (not yet checked)."""
-        if self.json is not None:
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    def check(self, param: str = "structured_outputs") -> str:
+        """The kind of the one constraint given; `InvalidRequestError` naming `param`
+        unless there is exactly one, of the right shape (the grammar itself is checked
+        when it is compiled)."""
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise InvalidRequestError(f"give exactly one structured output constraint of {', '.join(KINDS)}; "
+                                      f"got {', '.join(kinds) or 'none'}", param)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param)
+        return kinds[0]
+
+    def grammar_spec(self, param: str = "structured_outputs") -> str:
+        """The constraint as an llguidance grammar, not yet compiled; `InvalidRequestError`
+        for a bad shape or a JSON schema that is not a JSON object."""
+        kind = self.check(param)
+        try:
+            if self.json is not None:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"the {kind} constraint is not valid: {e}", param) from None
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         if self.regex is not None:
@@ -62,20 +79,11 @@ class StructuredOutputsParams:
 
     def validate(self, param: str = "structured_outputs") -> "StructuredOutputsParams":
         """Raises `InvalidRequestError` naming `param` unless the constraint is one
-        well-formed grammar."""
-        kinds = self.kinds()
-        if len(kinds) != 1:
-            raise InvalidRequestError(f"give exactly one structured output constraint of {', '.join(KINDS)}; "
-                                      f"got {', '.join(kinds) or 'none'}", param)
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param)
-        try:
-            spec = self.grammar_spec()
-        except (ValueError, TypeError) as e:
-            raise InvalidRequestError(f"the {kinds[0]} constraint is not valid: {e}", param) from None
-        error = LLMatcher.validate_grammar(spec)
+        well-formed grammar, checked without a tokenizer: for a server's front, which has
+        no engine vocabulary at hand (`GrammarCompiler.compile` checks the same)."""
+        error = LLMatcher.validate_grammar(self.grammar_spec(param))
         if error:
-            raise InvalidRequestError(f"the {kinds[0]} constraint is not valid: {error}", param)
+            raise InvalidRequestError(f"the {self.check(param)} constraint is not valid: {error}", param)
         return self
 
 
@@ -161,7 +169,7 @@ class GrammarCompiler:
         (`reasoning_state`)."""
         m = LLMatcher(self.tokenizer, params.grammar_spec(), log_level=0)
         if m.is_error():
-            raise InvalidRequestError(f"the structured output constraint is not valid: {m.get_error()}",
+            raise InvalidRequestError(f"the {params.check()} constraint is not valid: {m.get_error()}",
                                       "structured_outputs")
         return Grammar(m, self.words, think, state)
 
