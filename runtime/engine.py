@@ -318,7 +318,7 @@ class LLMEngine:
         """Runs for every sequence every step, so it keeps to plain attribute reads.
         Touches no MLX array: it may run on the worker thread while MLX encodes."""
         if pending.prompt is not None:
-            for (seq, first, _), entries in zip(pending.prompt.spans, pending.prompt.entries):
+            for (seq, first, *_), entries in zip(pending.prompt.spans, pending.prompt.entries):
                 have, new = seq.prompt_logprobs, len(seq.prompt_logprobs) - 1 - first
                 if new >= 0:   # a recomputed prompt adds nothing twice
                     have.extend(entries[new:])

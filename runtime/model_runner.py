@@ -42,8 +42,9 @@ class SampledToken:
 class PromptRows:
     """Prompt positions whose next token's logprob a step computes: for each sequence
     that wants prompt logprobs, `count` positions from `first` (position p gives prompt
-    token p + 1's logprob). The arrays are lazy until `ModelRunner.collect`, which puts
-    the host's `Logprob`s in `entries`, one list per (seq, first, count)."""
+    token p + 1's logprob), at rows `row`.. of the step's packed batch. The arrays are
+    lazy until `ModelRunner.collect`, which puts the host's `Logprob`s in `entries`, one
+    list per (seq, first, count, row)."""
 
     spans: list[tuple]
     logprobs: mx.array
@@ -116,21 +117,18 @@ class ModelRunner:
     def forward(self, scheduled: list[ScheduledSeq], split_head: bool | None = None,
                 prev: "PendingStep | None" = None, prompt_spans: list[tuple] = ()) -> mx.array:
         """Build and return the lazy logits (S, V) of the sampling rows, in order, then of
-        the prompt positions in `prompt_spans` ((seq, first, count), see `PromptRows`).
+        the prompt positions in `prompt_spans` ((seq, first, count, row), see `PromptRows`).
         An input token still in flight (`PLACEHOLDER`) is read from `prev`'s sampled
         tokens on the device, so this step can be queued before the previous one is read
         back. A step of decodes only goes through the compiled decode graph when there
         is one."""
         tables, starts, lengths, tokens, rows, ends = [], [], [], [], [], []
         fill_rows, fill_src = [], []
-        offset = {}   # seq id -> (its first row, its chunk's start)
         t = 0
         self.ctx.sampled = None
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
-            if prompt_spans:
-                offset[s.seq.seq_id] = (t, s.start)
             starts.append(s.start)
             lengths.append(s.num_tokens)
             toks = s.seq.token_ids[s.start:end]
@@ -143,9 +141,8 @@ class ModelRunner:
             if s.samples:
                 rows.append(t - 1)
                 ends.append((end, tables[-1]))
-        for seq, first, count in prompt_spans:
-            base, start = offset[seq.seq_id]
-            rows.extend(base + p - start for p in range(first, first + count))
+        for _, _, count, row in prompt_spans:
+            rows.extend(range(row, row + count))
         if len(fill_rows) == t and fill_src == list(range(t)) and prev.result.tokens.shape[0] == t:
             inputs = prev.result.tokens   # steady decode: last step's samples, in order
         else:
@@ -187,23 +184,25 @@ class ModelRunner:
         step = PendingStep(seqs, sample(sampling, seqs) if seqs else None,
                            {seq.seq_id: i for i, seq in enumerate(seqs)})
         if spans:
-            targets = [seq.token_ids[p + 1] for seq, first, count in spans for p in range(first, first + count)]
-            k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
+            targets = [seq.token_ids[p + 1] for seq, first, count, _ in spans for p in range(first, first + count)]
+            k = max(seq.params.prompt_logprobs for seq, *_ in spans)
             lps = token_logprobs(logits[len(seqs):].astype(mx.float32), mx.array(targets, dtype=mx.int32), k)
             step.prompt = PromptRows(spans, *lps)
         return step
 
     @staticmethod
     def _prompt_spans(scheduled: list[ScheduledSeq]) -> list[tuple]:
-        """The prompt positions of this step whose logprobs are still wanted."""
-        spans = []
+        """The prompt positions of this step whose logprobs are still wanted, with the
+        row each span begins at (the batch packs the sequences' tokens in order)."""
+        spans, row = [], 0
         for s in scheduled:
             seq = s.seq
             if seq.wants_prompt_logprobs:
                 first = max(s.start, len(seq.prompt_logprobs) - 1)
                 last = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)
                 if last > first:
-                    spans.append((seq, first, last - first))
+                    spans.append((seq, first, last - first, row + first - s.start))
+            row += s.num_tokens
         return spans
 
     def queue(self, pending: "PendingStep") -> None:
@@ -234,7 +233,7 @@ class ModelRunner:
             ids = pr.top_ids.tolist() if pr.top_ids is not None else None
             tops = pr.top_logprobs.tolist() if pr.top_logprobs is not None else None
             i = 0
-            for seq, first, count in pr.spans:
+            for seq, first, count, _ in pr.spans:
                 k, entries = seq.params.prompt_logprobs, []
                 for p in range(first, first + count):
                     top = list(zip(ids[i][:k], tops[i][:k])) if k else []
