@@ -25,13 +25,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.models.loader import load_tokenizer
+from runtime.structured_output import reasoning_state
 
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
 from .chat_output import ChoiceParser
-from .reasoning import ReasoningSplit, starts_in_reasoning
+from .reasoning import ReasoningSplit
 from .tools import ToolOutput
 
 log = logging.getLogger("ray.serve")
@@ -410,7 +411,7 @@ class OpenAIIngress:
         split = None
         if self.tokenizer.has_thinking:
             split = partial(ReasoningSplit, self.tokenizer.think_start, self.tokenizer.think_end,
-                            starts_in_reasoning(self.tokenizer, ids))
+                            reasoning_state(self.tokenizer, ids) == "thinking")
         tools = partial(ToolOutput, mode, self.tokenizer, body.tool_defs()) if mode else None
         if split is None and tools is None:
             return None

@@ -4,15 +4,11 @@ tokenizer knows: `think_start`, `think_end`) goes to the message's `reasoning` f
 the name vLLM and mlx-lm's server use, and the rest to `content`.
 
 A prompt can open the reasoning itself (templates that end in "<think>\\n"): the split
-then starts inside it, as mlx-lm's server decides, from where the last start marker in
-the prompt's tokens lies against the last end marker.
+then starts inside it, by the same reading of the prompt's tail that starts a
+constraint after the reasoning (`runtime.structured_output.reasoning_state`).
 """
 
 from .chat_output import partial_marker
-
-
-def starts_in_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
-    return tokenizer.rfind_think_start(prompt_ids) > tokenizer.rfind_think_end(prompt_ids)
 
 
 class ReasoningSplit:

@@ -30,7 +30,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import PLACEHOLDER, Sequence, SequenceStatus
-from .structured_output import GrammarCompiler, reasoning_state
+from .structured_output import GrammarCompiler, reasoning_state, think_markers
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ class LLMEngine:
                 self._grammars = GrammarCompiler(self._hf, self.vocab_size, self.eos_token_ids)
             so = params.structured_outputs
             # A Lark grammar can name the think markers itself: it holds the whole text.
-            gate = reasoning_state(self.tokenizer, ids) if so.grammar is None else (None, "answer")
-            grammar = self._grammars.compile(so, *gate)
+            think = think_markers(self.tokenizer) if so.grammar is None else None
+            grammar = self._grammars.compile(so, think, reasoning_state(self.tokenizer, ids) if think else "answer")
             for s in seqs:
                 s.grammar = grammar if s.index == 0 else grammar.copy()
         detoks = [IncrementalDetokenizer(self._hf, ids, stops, params.skip_special_tokens) for _ in seqs]

@@ -90,22 +90,29 @@ class StructuredOutputsParams:
 THINK_TAIL = 16   # prompt tokens where a template opens or closes the reasoning
 
 
-def reasoning_state(tokenizer, prompt_ids: list[int]) -> tuple[tuple[int, int] | None, str]:
-    """Where a constraint starts for a thinking model (mlx-lm's tokenizer knows its
-    think markers, one token each): the constraint holds the answer, not the reasoning.
-    Returns the (start, end) marker ids and the state to begin in: "answer" when the
-    prompt's tail closes the reasoning (Qwen3 with `enable_thinking: false`), "thinking"
-    when it opens it (DeepSeek-R1's template), else "may_think": the first token may
-    open it, so a model of a thinking vocabulary that answers at once is constrained
-    from its first token."""
+def reasoning_state(tokenizer, prompt_ids: list[int]) -> str:
+    """Where a thinking model's reasoning stands when the prompt ends, read from the think
+    markers mlx-lm's tokenizer knows in the prompt's last `THINK_TAIL` tokens: "answer"
+    when they close it (Qwen3 with `enable_thinking: false`), and for a model without
+    markers; "thinking" when they open it (DeepSeek-R1's template); else "may_think": the
+    first token may open it. A server splits reasoning from content by it, and a
+    constraint starts from it, so a model of a thinking vocabulary that answers at once
+    is constrained from its first token."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return "answer"
+    lo = max(0, len(prompt_ids) - THINK_TAIL)
+    start = tokenizer.rfind_think_start(prompt_ids, start=lo)
+    end = tokenizer.rfind_think_end(prompt_ids, start=lo)
+    return "answer" if end > start else "thinking" if start > end else "may_think"
+
+
+def think_markers(tokenizer) -> tuple[int, int] | None:
+    """A thinking model's start and end marker ids, where each is one token (what a
+    grammar can let through or wait for); else None."""
     start, end = getattr(tokenizer, "think_start_tokens", None), getattr(tokenizer, "think_end_tokens", None)
     if not getattr(tokenizer, "has_thinking", False) or len(start or ()) != 1 or len(end or ()) != 1:
-        return None, "answer"
-    tail = list(prompt_ids[-THINK_TAIL:])
-    last_start = max((i for i, t in enumerate(tail) if t == start[0]), default=-1)
-    last_end = max((i for i, t in enumerate(tail) if t == end[0]), default=-1)
-    state = "answer" if last_end > last_start else "thinking" if last_start > last_end else "may_think"
-    return (start[0], end[0]), state
+        return None
+    return start[0], end[0]
 
 
 class Grammar:
@@ -165,8 +172,8 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams, think: tuple[int, int] | None = None,
                 state: str = "answer") -> Grammar:
-        """`think`, `state`: a thinking model's markers and where to begin
-        (`reasoning_state`)."""
+        """`think`, `state`: a thinking model's markers (`think_markers`) and where to
+        begin (`reasoning_state`)."""
         m = LLMatcher(self.tokenizer, params.grammar_spec(), log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"the {params.check()} constraint is not valid: {m.get_error()}",

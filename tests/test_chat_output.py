@@ -9,11 +9,12 @@ import random
 import pytest
 
 from deployments.protocol import ChatCompletionRequest, chat_prompt_ids
-from deployments.reasoning import ReasoningSplit, starts_in_reasoning
+from deployments.reasoning import ReasoningSplit
 from deployments.chat_output import ChoiceParser
 from deployments.tools import ToolOutput
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
+from runtime.structured_output import reasoning_state
 
 WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
@@ -156,7 +157,7 @@ def test_the_prompt_decides_where_the_split_starts(tokenizer):
     msgs = [{"role": "user", "content": "hi"}]
     for kwargs, inside in (({}, False), ({"think_open": True}, True), ({"enable_thinking": False}, False)):
         ids = chat_prompt_ids(tokenizer, msgs, True, None, kwargs)
-        assert starts_in_reasoning(tokenizer, ids) is inside, kwargs
+        assert (reasoning_state(tokenizer, ids) == "thinking") is inside, kwargs
     assert "<think>\n\n</think>" in tokenizer.decode(chat_prompt_ids(tokenizer, msgs, True, None,
                                                                       {"enable_thinking": False}))
 

@@ -223,7 +223,7 @@ def test_a_thinking_model_reasons_freely_then_answers_in_the_grammar(format_mode
     msgs = [{"role": "user", "content": "Answer in JSON."}]
     prompt = {kw: tok.apply_chat_template(msgs, add_generation_prompt=True, **dict(kw))
               for kw in ((), (("think_open", True),), (("enable_thinking", False),))}
-    states = [reasoning_state(tok, ids)[1] for ids in prompt.values()]
+    states = [reasoning_state(tok, ids) for ids in prompt.values()]
     assert states == ["may_think", "thinking", "answer"]
     so = CONSTRAINTS["json_schema"]
     opened = engine.generate([prompt[(("think_open", True),)]], _params(so, 80, logit_bias={end: 100.0}))[0]
