@@ -507,22 +507,20 @@ class OpenAIIngress:
         return self.tokenizer.decode([token_id])
 
     def _completion_logprobs(self, lps, offset: int = 0):
+        """The legacy completions API's logprobs of generated tokens, text offsets from
+        `offset`; None when none were asked for."""
         if lps is None:
             return None
-        tokens, offsets = [], []
-        for lp in lps:
-            offsets.append(offset)
-            piece = self._piece(lp.token_id)
-            tokens.append(piece)
-            offset += len(piece)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [self._top_with_sampled(lp) for lp in lps], "text_offset": offsets}
+        return self._legacy_logprobs([(lp.token_id, lp) for lp in lps], offset)
 
     def _prompt_logprobs(self, entries, prompt_ids: list[int]) -> dict:
         """The echoed prompt's part of completions logprobs: the first token has none."""
+        return self._legacy_logprobs(list(zip(prompt_ids, entries or [])), 0)
+
+    def _legacy_logprobs(self, tokens: list[tuple[int, object]], offset: int) -> dict:
+        """`tokens`: (id, its `Logprob`, or None where it has none) in text order."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        for tok, lp in zip(prompt_ids, entries or []):
+        for tok, lp in tokens:
             piece = self._piece(tok)
             out["tokens"].append(piece)
             out["token_logprobs"].append(None if lp is None else lp.logprob)
