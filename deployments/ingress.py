@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.models.loader import load_tokenizer
-from runtime.structured_output import reasoning_state
+from runtime.structured_output import grammar_checked, reasoning_state
 
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
@@ -133,7 +133,20 @@ class OpenAIIngress:
         if body.model != self.model_name:
             raise HTTPError(404, f"the model {body.model!r} does not exist; this server serves "
                                  f"{self.model_name!r}", param="model", code="model_not_found")
+        constraint = body.constraint() if hasattr(body, "constraint") else None
+        if constraint is not None:
+            await self._check_constraint(constraint)
         return body
+
+    async def _check_constraint(self, constraint) -> None:
+        """400 for a structured output grammar llguidance rejects. A grammar not checked
+        before is checked on a tokenizer thread: a large schema takes tens of
+        milliseconds, during which llguidance releases the GIL and this loop serves
+        other requests."""
+        if grammar_checked(constraint.spec):
+            constraint.validate()
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, constraint.validate)
 
     def _salt(self, body, api_key: str | None) -> str | None:
         if api_key is not None:

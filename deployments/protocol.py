@@ -4,7 +4,7 @@ translation to the engine's `SamplingParams`."""
 import json
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from runtime.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_SEQUENCES, SamplingParams
 from runtime.structured_output import StructuredOutputsParams
@@ -47,17 +47,14 @@ class ResponseFormat(_Strict):
     def _schema(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type 'json_schema', and only with it")
-        constraint = self.constraint()
-        if constraint is not None:
-            constraint.validate("response_format")
         return self
 
     def constraint(self) -> StructuredOutputsParams | None:
         if self.type == "text":
             return None
         if self.type == "json_object" or self.json_schema.schema_ is None:
-            return StructuredOutputsParams(json_object=True)
-        return StructuredOutputsParams(json=self.json_schema.schema_)
+            return StructuredOutputsParams(json_object=True, param="response_format")
+        return StructuredOutputsParams(json=self.json_schema.schema_, param="response_format")
 
 
 class StructuredOutputs(_Strict):
@@ -74,7 +71,7 @@ class StructuredOutputs(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        self.constraint().validate("structured_outputs")
+        self.constraint().check()   # the grammar itself: `OpenAIIngress._check_constraint`
         return self
 
     def constraint(self) -> StructuredOutputsParams:
@@ -110,6 +107,7 @@ class _Sampling(_Strict):
     priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    _constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
 
     @field_validator("stop")
     @classmethod
@@ -146,9 +144,24 @@ class _Sampling(_Strict):
         return self
 
     def constraint(self) -> StructuredOutputsParams | None:
+        """The request's structured output constraint, made once: its grammar (`spec`),
+        made when the request is checked, goes with it to the engine."""
+        if self._constraint is None and self.constraint_param() is not None:
+            self._constraint = self._make_constraint()
+        return self._constraint
+
+    def constraint_param(self) -> str | None:
+        """The field the constraint comes from, which errors name."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return None
+
+    def _make_constraint(self) -> StructuredOutputsParams:
         if self.structured_outputs is not None:
             return self.structured_outputs.constraint()
-        return self.response_format.constraint() if self.response_format is not None else None
+        return self.response_format.constraint()
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -360,7 +373,6 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate):
             if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
                 raise ValueError("a required or named tool_choice cannot be combined with response_format "
                                  "or structured_outputs")
-            tool_constraint(self.tool_defs(), forced, self.parallel_tool_calls).validate("tools")
         return self
 
     def tool_defs(self) -> list[dict]:
@@ -379,11 +391,14 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate):
             return choice.function.name
         return "required" if choice == "required" and self.tools else None
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    def constraint_param(self) -> str | None:
+        return "tools" if self.forced_tool() is not None else super().constraint_param()
+
+    def _make_constraint(self) -> StructuredOutputsParams:
         forced = self.forced_tool()
         if forced is not None:
             return tool_constraint(self.tool_defs(), forced, self.parallel_tool_calls)
-        return super().constraint()
+        return super()._make_constraint()
 
     def logprobs_k(self) -> int | None:
         if not self.logprobs:

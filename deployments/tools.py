@@ -49,13 +49,13 @@ def constraint(tools: list[dict], choice: str | None, parallel: bool) -> Structu
         return None
     if choice != "required":
         tool = next(t for t in tools if t["name"] == choice)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=_parameters(tool), param="tools")
     one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "parameters": _parameters(t)},
             "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
     if not parallel:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    return StructuredOutputsParams(json=schema, param="tools")
 
 
 class ToolOutput:

@@ -10,6 +10,7 @@ import bisect
 import gc
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import PLACEHOLDER, Sequence, SequenceStatus
-from .structured_output import GrammarCompiler, reasoning_state, think_markers
+from .structured_output import Grammar, GrammarCompiler, reasoning_state, think_markers
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class LLMEngine:
             log.info("compiled decode: %d shape buckets traced in %.1f s", n, time.perf_counter() - t)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self._grammars: GrammarCompiler | None = None   # made by the first structured request
+        self._grammars_lock = threading.Lock()
         self.requests: dict[str, _Request] = {}
         self._inflight: PendingStep | None = None
         self._worker: ThreadPoolExecutor | None = None   # processes tokens while a step is queued
@@ -143,7 +145,9 @@ class LLMEngine:
         return min(n, useful)
 
     # -- requests ----------------------------------------------------------------
-    def _validate(self, prompt, prompt_token_ids, params: SamplingParams) -> list[int]:
+    def validate_request(self, prompt, prompt_token_ids, params: SamplingParams) -> list[int]:
+        """The prompt's token ids; a typed `InvalidRequestError` for bad input (a
+        structured output's grammar is checked when it is compiled)."""
         params.validate(self.vocab_size)
         if prompt_token_ids is None:
             if prompt is None:
@@ -169,12 +173,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None = None,
                     params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request. Raises a typed `InvalidRequestError` for bad input."""
+                    priority: int = 0, cache_salt: str | None = None,
+                    grammar: Grammar | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises a typed `InvalidRequestError` for bad input.
+
+        `grammar`: the request's structured output grammar, compiled beforehand
+        (`compile_grammar`, which a server may run on another thread); else it is
+        compiled here. `arrival_time`: when the request reached the engine, if before
+        now (`time.monotonic()`)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
-        ids = self._validate(prompt, prompt_token_ids, params)
+        ids = self.validate_request(prompt, prompt_token_ids, params)
         stops = params.stop
         seqs = [Sequence(request_id, i, ids, params, priority, cache_salt) for i in range(params.n)]
         if params.prompt_logprobs is not None:
@@ -184,20 +194,35 @@ class LLMEngine:
             for s in seqs:
                 s.early_stop_ids = tuple(sorted(early))
         if params.structured_outputs is not None:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self._hf, self.vocab_size, self.eos_token_ids)
-            so = params.structured_outputs
-            # A Lark grammar can name the think markers itself: it holds the whole text.
-            think = think_markers(self.tokenizer) if so.grammar is None else None
-            grammar = self._grammars.compile(so, think, reasoning_state(self.tokenizer, ids) if think else "answer")
+            grammar = grammar or self.compile_grammar(params, ids)
             for s in seqs:
                 s.grammar = grammar if s.index == 0 else grammar.copy()
         detoks = [IncrementalDetokenizer(self._hf, ids, stops, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, detoks,
-                                             RequestMetrics(time.monotonic()))
+                                             RequestMetrics(arrival_time or time.monotonic()))
         for s in seqs:
             self.scheduler.add(s)
         self._counters["prompt_tokens"] += len(ids)
+
+    def _compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._hf, self.vocab_size, self.eos_token_ids)
+            return self._grammars
+
+    def grammar_compiled(self, params: SamplingParams) -> bool:
+        """Whether `compile_grammar` for these params only copies a grammar compiled
+        before (about a microsecond), so a server need not move it off its loop."""
+        return self._grammars is not None and self._grammars.compiled(params.structured_outputs)
+
+    def compile_grammar(self, params: SamplingParams, prompt_token_ids: list[int]) -> Grammar:
+        """The structured output grammar of a request with this prompt. Safe to call on
+        another thread while the engine steps. `InvalidRequestError` for a bad one."""
+        so = params.structured_outputs
+        # A Lark grammar can name the think markers itself: it holds the whole text.
+        think = think_markers(self.tokenizer) if so.grammar is None else None
+        state = reasoning_state(self.tokenizer, prompt_token_ids) if think else "answer"
+        return self._compiler().compile(so, think, state)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. False if it was unknown or done."""

@@ -9,10 +9,15 @@ request_id, error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], r
 `("stats", dict)`, `("hashes", [bytes])`; at the end `("dead", reason)` or
 `("stopped",)`. A large step's outputs go earlier, with the stats, in a list of their
 own (`_send_outputs`). `AsyncEngine` turns the events into its callers' streams.
+
+A structured output grammar not compiled before is compiled on a thread of the loop's
+while the loop steps the other requests; its request joins the engine when it is ready
+(a large schema takes tens of milliseconds, every running stream's tokens would wait).
 """
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 import mlx.core as mx
@@ -33,6 +38,8 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 # beside a 16 GiB pool on the H200), memory a Mac's other processes share. Not at once:
 # at one request at a time, every request would pay the allocations again.
 IDLE_CACHE_RELEASE_S = 2.0
+GRAMMAR_THREADS = 2      # 0: compile on the loop itself (the A/B of bench/structured_output.py)
+COMPILE_POLL_S = 0.005   # an idle loop waiting for a grammar still takes commands this often
 
 Recv = Callable[[bool], list]          # block -> the commands that arrived (waits a while if block)
 Emit = Callable[[list], None]
@@ -49,6 +56,8 @@ class EngineLoop:
         self._failures = 0
         self._hashes_at = 0.0
         self._busy_at = 0.0    # when the last step ran; 0 once the cache was released
+        self._compiling: dict[str, tuple[Future, dict, tuple]] = {}   # request -> grammar, add kwargs, pace
+        self._grammar_pool: ThreadPoolExecutor | None = None
 
     def run(self, recv: Recv, emit: Emit) -> None:
         try:
@@ -72,8 +81,12 @@ class EngineLoop:
         try:
             while not self._stopping:
                 events: list = []
-                for cmd in recv(not engine.has_unfinished_requests()):
+                idle = not engine.has_unfinished_requests()
+                if idle and self._compiling:
+                    wait([c[0] for c in self._compiling.values()], COMPILE_POLL_S, FIRST_COMPLETED)
+                for cmd in recv(idle and not self._compiling):
                     self._apply(cmd, events)
+                self._admit_compiled(events)
                 if engine.has_unfinished_requests():
                     self._step(events)
                     self._busy_at = time.monotonic()
@@ -91,6 +104,8 @@ class EngineLoop:
             return
         finally:
             engine.close()   # the engine's worker thread goes with its loop
+            if self._grammar_pool is not None:
+                self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         emit([("stopped",)])
 
     def _apply(self, cmd: tuple, events: list) -> None:
@@ -99,17 +114,47 @@ class EngineLoop:
             _, request_id, kwargs = cmd
             kwargs = dict(kwargs)
             pace = kwargs.pop("stream_interval_s", 0.0), kwargs.pop("max_chunks_per_s", 0.0)
+            params = kwargs["params"]
             try:
+                if (GRAMMAR_THREADS and params.structured_outputs is not None
+                        and not self.engine.grammar_compiled(params)):
+                    self._compile(request_id, kwargs, pace)
+                    return
                 self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"), **kwargs)
             except Exception as e:
                 events.append(("rejected", request_id, e))
                 return
             self.pacer.add(request_id, *pace)
         elif kind == "abort":
-            self.engine.abort(cmd[1])
+            if self._compiling.pop(cmd[1], None) is None:
+                self.engine.abort(cmd[1])
             self.pacer.drop(cmd[1])
         elif kind == "stop":
             self._stopping = True
+
+    def _compile(self, request_id: str, kwargs: dict, pace: tuple) -> None:
+        """Start compiling a request's grammar on a thread; the request joins the engine
+        in `_admit_compiled`. Its other input is checked now."""
+        kwargs["prompt_token_ids"] = self.engine.validate_request(
+            kwargs["prompt"], kwargs["prompt_token_ids"], kwargs["params"])
+        kwargs["arrival_time"] = time.monotonic()
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        future = self._grammar_pool.submit(self.engine.compile_grammar, kwargs["params"], kwargs["prompt_token_ids"])
+        self._compiling[request_id] = future, kwargs, pace
+
+    def _admit_compiled(self, events: list) -> None:
+        for request_id, (future, kwargs, pace) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self.engine.add_request(request_id, kwargs.pop("prompt"), kwargs.pop("params"),
+                                        grammar=future.result(), **kwargs)
+            except Exception as e:
+                events.append(("rejected", request_id, e))
+                continue
+            self.pacer.add(request_id, *pace)
 
     def _send_outputs(self, outputs: list, emit: Emit) -> None:
         """A large step's outputs, as soon as the engine's worker thread has processed

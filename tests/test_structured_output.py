@@ -52,7 +52,7 @@ def _reference(path, tokenizer, eos, prompt_ids, so: SO, max_tokens):
     backend = tokenizer.backend_tokenizer
     vocab = _mlx_lm_model(path).args.vocab_size
     lt = LLTokenizer(backend.to_str(), n_vocab=max(vocab, backend.get_vocab_size()), eos_token=sorted(eos))
-    masker, tracker = (LLMatcher(lt, so.grammar_spec()) for _ in range(2))
+    masker, tracker = (LLMatcher(lt, so.spec) for _ in range(2))
     seen, raw = [len(prompt_ids)], []
 
     def constrain(tokens, logits):
@@ -256,3 +256,156 @@ def test_may_think_lets_the_start_marker_through_first(format_model):
     plain = compiler.compile(CONSTRAINTS["choice"], (start, end), "may_think")
     red = engine.tokenizer.encode("red")[0]
     assert plain.consume(red) and plain.state == "answer"
+
+
+def test_a_grammar_compiled_before_is_copied_untouched(engine):
+    """The second request of a schema gets a copy of the first's compiled matcher, never
+    the one the first advanced: the same tokens, whole."""
+    so = SO(json=SCHEMA)
+    ids = [random.Random("json_schema").randrange(3, 384) for _ in range(11)]
+    first = engine.generate([ids], _params(so, 60))[0].outputs[0]
+    assert engine.grammar_compiled(_params(SO(json=json.loads(json.dumps(SCHEMA)))))
+    assert not engine.grammar_compiled(_params(SO(regex="never seen [0-9]+")))
+    second = engine.generate([ids], _params(SO(json=dict(SCHEMA)), 60))[0].outputs[0]
+    assert first.finish_reason == "stop" and _valid(first.text, so)
+    assert second.token_ids == first.token_ids
+
+
+class _HeldCompile:
+    """`LLMEngine.compile_grammar` that waits for `release` (set from the test) before
+    compiling: a grammar that takes as long as the test wants."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        self.release, self.started = threading.Event(), threading.Event()
+        real = LLMEngine.compile_grammar
+
+        def held(engine_self, params, prompt_ids):
+            self.started.set()
+            assert self.release.wait(60), "the test never released the compile"
+            return real(engine_self, params, prompt_ids)
+
+        monkeypatch.setattr(LLMEngine, "compile_grammar", held)
+
+
+def test_a_grammar_compiles_off_the_loop_while_other_requests_run(model_dirs, monkeypatch):
+    """The engine loop compiles a new grammar on a thread of its own: a free request
+    finishes while the compile is held, which it never could with the compile on the
+    loop. Then the constrained request gets the engine's own tokens for it."""
+    import asyncio
+
+    from runtime import AsyncEngine
+
+    so = SO(regex=r"(cat|dog)s? [0-9]{2}!")
+    want = LLMEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64)).generate(
+        ["The baker"], _params(so, 20))[0].outputs[0]
+    held = _HeldCompile(monkeypatch)
+    eng = AsyncEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64))
+
+    async def last(prompt, params):
+        async for o in eng.generate(prompt, params):
+            out = o
+        return out
+
+    async def main():
+        constrained = asyncio.ensure_future(last("The baker", _params(so, 20)))
+        await asyncio.get_running_loop().run_in_executor(None, held.started.wait, 30)
+        free = await asyncio.wait_for(last("A river", SamplingParams(max_tokens=12, ignore_eos=True)), 60)
+        assert not constrained.done()
+        held.release.set()
+        return free, await asyncio.wait_for(constrained, 60)
+
+    try:
+        free, constrained = asyncio.run(main())
+        assert free.finished and len(free.outputs[0].token_ids) == 12
+        assert constrained.outputs[0].token_ids == want.token_ids and constrained.outputs[0].text == want.text
+        assert eng.stats()["num_blocks_held_by_requests"] == 0
+    finally:
+        held.release.set()
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["loop-on-thread", "loop-in-process"])
+def test_a_grammar_that_fails_to_compile_off_the_loop_is_a_typed_error(model_dirs, process):
+    import asyncio
+
+    from runtime import AsyncEngine
+
+    eng = AsyncEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64), process=process)
+
+    async def run(so):
+        async for o in eng.generate("hi", _params(so, 8)):
+            out = o
+        return out
+
+    try:
+        with pytest.raises(InvalidRequestError, match="grammar") as e:
+            asyncio.run(run(SO(grammar="start: undefined_rule", param="response_format")))
+        assert e.value.param == "response_format"
+        assert asyncio.run(run(CONSTRAINTS["choice"])).outputs[0].text in CONSTRAINTS["choice"].choice
+        eng.check_health()
+        assert eng.stats()["num_blocks_held_by_requests"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_cancelled_while_its_grammar_compiles_never_runs(model_dirs, monkeypatch):
+    """Cancelled while its grammar is held compiling, a request never joins the engine:
+    once the compile ends, only the requests sent after it have counted prompt tokens."""
+    import asyncio
+    import time
+
+    from runtime import AsyncEngine
+
+    held = _HeldCompile(monkeypatch)
+    eng = AsyncEngine(EngineConfig(model=model_dirs["llama"], num_gpu_blocks=64))
+
+    async def free(prompt):
+        async for o in eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True)):
+            out = o
+        return out
+
+    async def main():
+        gen = eng.generate("The baker", _params(SO(regex="[a-z]{30}"), 20), "cancelled")
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.get_running_loop().run_in_executor(None, held.started.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        first = await free("A river")      # the abort has reached the loop before this
+        held.release.set()
+        time.sleep(0.5)                    # the compile ends; the loop comes round
+        return first, await free("A river")
+
+    try:
+        first, second = asyncio.run(main())
+        assert first.finished and second.finished
+        assert eng.stats()["prompt_tokens"] == 2 * len(first.prompt_token_ids)
+        assert eng.stats()["num_blocks_held_by_requests"] == 0
+    finally:
+        held.release.set()
+        eng.shutdown()
+
+
+def test_a_grammar_checked_before_is_not_checked_again(monkeypatch):
+    """The server's front checks each distinct grammar once: clients send the same
+    schemas and tool sets again and again, and a large one takes milliseconds."""
+    from runtime import structured_output
+
+    calls = []
+    real = LLMatcher.validate_grammar
+    monkeypatch.setattr(structured_output.LLMatcher, "validate_grammar",
+                        staticmethod(lambda spec: calls.append(spec) or real(spec)))
+    schema = {"type": "object", "properties": {"checked_once": {"type": "integer"}}}
+    assert not structured_output.grammar_checked(SO(json=schema).spec)
+    SO(json=schema).validate()
+    SO(json=dict(schema)).validate()
+    assert len(calls) == 1 and structured_output.grammar_checked(SO(json=schema).spec)
+    bad = SO(regex="[a-", param="response_format")
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError) as e:
+            bad.validate()
+        assert e.value.param == "response_format"
+    assert len(calls) == 2
