@@ -33,6 +33,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from .chat_output import ChoiceParser
 from .reasoning import ReasoningSplit
+from .responses import ResponseBody, ResponseEvents, ResponsesRequest, output_items, reasoning_tokens
+from .responses import usage as response_usage
 from .tools import ToolOutput
 
 log = logging.getLogger("ray.serve")
@@ -60,9 +62,18 @@ class HTTPError(Exception):
                             status_code=self.status, headers=self.headers)
 
 
-def _validation_error(e: ValidationError) -> HTTPError:
+# Fields of the chat body a Responses request becomes, by the field the client sent.
+_RESPONSES_PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
+                     "max_tokens": "max_output_tokens", "prompt": "input"}
+
+
+def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None) -> HTTPError:
+    """`renamed`: the client's names for fields of a body made from its own."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()) if not isinstance(x, int)) or None
+    parts = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
+    if renamed and parts:
+        parts = [renamed.get(parts[0], parts[0])]
+    loc = ".".join(parts) or None
     msg = err.get("msg", "invalid request")
     if err.get("type") == "extra_forbidden":
         msg = f"unknown field {loc!r}"
@@ -247,6 +258,8 @@ class OpenAIIngress:
                 return await self.completions(await self._body(request, CompletionRequest), api_key, t0)
             if path == "/v1/chat/completions" and method == "POST":
                 return await self.chat(await self._body(request, ChatCompletionRequest), api_key, t0)
+            if path == "/v1/responses" and method == "POST":
+                return await self.responses(await self._body(request, ResponsesRequest), api_key, t0)
             if path == "/tokenize" and method == "POST":
                 return JSONResponse(await self.tokenize(await self._body(request, TokenizeRequest)))
             if path == "/detokenize" and method == "POST":
@@ -385,20 +398,7 @@ class OpenAIIngress:
             k = body.logprobs_k()
         except ValueError as e:
             raise HTTPError(400, str(e), param="top_logprobs") from None
-        mode = body.tool_mode()
-        if mode == "auto" and not self.tokenizer.has_tool_calling:
-            raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
-                                 "'auto' (the default with tools) cannot work; use 'required' or name a "
-                                 "function, which hold the output to the tools' JSON", param="tool_choice")
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                   body.chat_template_kwargs)
-        max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
-        params = body.sampling_params(max_tokens, k)
-        if mode == "auto":
-            params.skip_special_tokens = False   # some families' call markers are special tokens
-        parser = self._choice_parser(ids, body, mode)
-        t_sub = time.monotonic()
-        first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
+        ids, parser, t_sub, first, gen = await self._start_chat(body, api_key, k)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids), parser),
@@ -417,6 +417,83 @@ class OpenAIIngress:
                              "model": self.model_name, "choices": choices,
                              "usage": _Usage().add(out).body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+
+    async def _start_chat(self, body: ChatCompletionRequest, api_key: str | None, k: int | None):
+        """A chat request's prompt, sent to the engine: its token ids, what makes its
+        `ChoiceParser` (or None), when it was sent, and its first output and stream."""
+        mode = body.tool_mode()
+        if mode == "auto" and not self.tokenizer.has_tool_calling:
+            raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
+                                 "'auto' (the default with tools) cannot work; use 'required' or name a "
+                                 "function, which hold the output to the tools' JSON", param="tool_choice")
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                   body.chat_template_kwargs)
+        max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
+        params = body.sampling_params(max_tokens, k)
+        if mode == "auto":
+            params.skip_special_tokens = False   # some families' call markers are special tokens
+        parser = self._choice_parser(ids, body, mode)
+        t_sub = time.monotonic()
+        first, gen = await self._stream(ids, params, body, self._salt(body, api_key))
+        return ids, parser, t_sub, first, gen
+
+    async def responses(self, body: ResponsesRequest, api_key: str | None, t0: float) -> Response:
+        """The Responses API over the chat pipeline (responses.py). Errors name the
+        fields the client sent, not the chat fields they became."""
+        try:
+            return await self._respond(body, api_key, t0)
+        except (HTTPError, InvalidRequestError) as e:
+            e.param = _RESPONSES_PARAMS.get(e.param, e.param)
+            raise
+
+    async def _respond(self, body: ResponsesRequest, api_key: str | None, t0: float) -> Response:
+        try:
+            chat = ChatCompletionRequest.model_validate(body.chat_body())
+        except ValidationError as e:
+            raise _validation_error(e, _RESPONSES_PARAMS) from None
+        constraint = chat.constraint()
+        if constraint is not None:
+            await self._check_constraint(constraint)
+        ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, None)
+        parser = parser or (lambda: ChoiceParser())
+        envelope = ResponseBody(body, self.model_name)
+        end = self.tokenizer.think_end_tokens if self.tokenizer.has_thinking else None
+        end = end[0] if end and len(end) == 1 else None
+        if body.stream:
+            return _sse(self._response_events(envelope, parser(), first, gen, t0, end),
+                        server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
+                                      **engine_timing(first)), named=True)
+        out = await self._drain(first, gen, t0)
+        o = out.outputs[0]
+        message, reason = parser().message(o.text, o.finish_reason)
+        items = output_items(message, reason)
+        status = "incomplete" if reason == "length" else "completed"
+        return JSONResponse(envelope.body(status, items, self._response_usage(out, end, message)),
+                            headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+
+    def _response_usage(self, out, end_marker: int | None, message: dict) -> dict:
+        u = _Usage().add(out)
+        thought = reasoning_tokens(out.outputs[0].token_ids, end_marker, bool(message.get("reasoning")))
+        return response_usage(u.prompt, u.completion, u.cached, thought)
+
+    async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None):
+        timer, stream = RequestTimer(self.metrics, t0), ResponseEvents(envelope)
+        for ev in stream.opening():
+            yield ev
+        last, reasoned = None, False
+        async for out in self._chain(first, gen):
+            last = out
+            timer.output(out)
+            o = out.outputs[0]
+            if o.delta_text or o.finish_reason:
+                delta, _ = parser.feed(o.delta_text, o.finish_reason)
+                reasoned = reasoned or bool(delta.get("reasoning"))
+                for ev in stream.feed(delta):
+                    yield ev
+        self._finish(timer, last)
+        o = last.outputs[0]
+        for ev in stream.closing(o.finish_reason, self._response_usage(last, end_marker, {"reasoning": reasoned})):
+            yield ev
 
     def _choice_parser(self, ids: list[int], body, mode: str | None):
         """What makes a `ChoiceParser` per choice, where reasoning or tool calls are split
@@ -611,18 +688,24 @@ def server_timing(**seconds: float) -> dict[str, str]:
     return {"Server-Timing": ", ".join(f"{k};dur={v * 1e3:.2f}" for k, v in seconds.items())}
 
 
-def _sse(events, headers: dict[str, str]) -> StreamingResponse:
+def _sse(events, headers: dict[str, str], named: bool = False) -> StreamingResponse:
+    """`named`: the Responses API's stream, each event under its `type` (`event:` lines),
+    an error as an `error` event, and no `[DONE]`."""
     async def body():
         try:
             async for ev in events:
-                yield f"data: {json.dumps(ev)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n" if named else f"data: {json.dumps(ev)}\n\n"
+            if not named:
+                yield "data: [DONE]\n\n"
         except Exception as e:
             log.exception("stream failed")
             err = error_body("the stream was interrupted by a server error", "server_error")
             if isinstance(e, HTTPError):
                 err = error_body(str(e), e.type, e.param, e.code)
-            yield f"data: {json.dumps(err)}\n\n"
+            if named:
+                yield f"event: error\ndata: {json.dumps({'type': 'error', **err['error']})}\n\n"
+            else:
+                yield f"data: {json.dumps(err)}\n\n"
         finally:
             await events.aclose()
 

@@ -856,3 +856,101 @@ def test_replicas_share_their_event_loop_unless_told_not_to():
         "env_vars": {"MY_VAR": "1", key: "1"}}}}))
     assert env(split) == [{key: "0"}, {key: "1", "MY_VAR": "1"}]   # ingress, then LLMServer
     assert env(build_app(AppArgs(colocate=True, share_replica_loop=False))) == [{}]
+
+
+R_WEATHER = {"type": "function", **WEATHER["function"]}
+R_CLOCK = {"type": "function", **CLOCK["function"]}
+
+
+def test_responses_answers_as_chat_does(client):
+    """`/v1/responses` is the chat pipeline: the same text, usage and stop as the chat
+    completion of the same messages (instructions as the system message), whole and
+    streamed; the stream is the event sequence the `openai` client's helper accepts."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        temperature=0, max_completion_tokens=12)
+    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Hello there", temperature=0,
+                                max_output_tokens=12)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    events = list(client.responses.create(model=MODEL, instructions="Be brief.", input="Hello there",
+                                          temperature=0, max_output_tokens=12, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{r.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    last = events[-1].response
+    assert last.id == events[0].response.id and last.output_text == r.output_text
+    assert last.usage.output_tokens == r.usage.output_tokens and last.status == r.status
+
+
+def test_responses_structured_output_and_conversation_items(client):
+    """`text.format` holds the text to a schema (the client's `responses.parse`), and a
+    conversation handed back as items, the assistant's message among them, is the chat
+    conversation of the same turns."""
+    class Answer(pydantic.BaseModel):
+        mood: Literal["glad", "sad"]
+        count: int = pydantic.Field(ge=0, le=99)
+
+    r = client.responses.parse(model=MODEL, input="How do you feel?", text_format=Answer, temperature=0,
+                               max_output_tokens=40)
+    assert isinstance(r.output_parsed, Answer) and r.status == "completed"
+    with client.responses.stream(model=MODEL, input="How do you feel?", text_format=Answer, temperature=0,
+                                 max_output_tokens=40) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == r.output_parsed
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "Again"}]
+    chat = client.chat.completions.create(model=MODEL, messages=turns, temperature=0, max_completion_tokens=6)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]},
+             {"role": "user", "content": "Again"}]
+    r = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=6)
+    assert r.output_text == chat.choices[0].message.content
+    # Errors name the fields the client sent.
+    bad_schema = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}
+    for kw, param in (({"text": bad_schema}, "text"), ({"max_output_tokens": 10**9}, "max_output_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="hi", **kw)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_responses_function_calls_round_trip(client):
+    """A named function is called with arguments of its schema; streamed, the arguments
+    come in pieces that add up to them; the call and its output, handed back as items,
+    make the chat conversation of a call and its tool message."""
+    named = {"type": "function", "name": "get_weather"}
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[R_WEATHER, R_CLOCK],
+                                tool_choice=named, temperature=0, max_output_tokens=60)
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    _weather_args(call.arguments)
+    assert r.tool_choice.name == "get_weather" and [t.name for t in r.tools] == ["get_weather", "get_time"]
+    with client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=[R_WEATHER, R_CLOCK],
+                                 tool_choice=named, temperature=0, max_output_tokens=60) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 2 and "".join(pieces) == call.arguments and final.output[0].arguments == call.arguments
+    items = [{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, clear"}]
+    again = client.responses.create(model=MODEL, input=items, tools=[R_WEATHER], tool_choice="none", temperature=0,
+                                    max_output_tokens=8)
+    chat = client.chat.completions.create(
+        model=MODEL, tools=[WEATHER], tool_choice="none", temperature=0, max_completion_tokens=8,
+        messages=ASK + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, clear"}])
+    assert again.output_text == chat.choices[0].message.content and again.output[0].type == "message"

@@ -66,9 +66,10 @@ def wait_idle(url: str, timeout: float = 60.0) -> str:
 
 
 # -- bad input -------------------------------------------------------------------
-C, CH = "/v1/completions", "/v1/chat/completions"
+C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RESP = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_INPUTS = [
     ("invalid json", C, b"{\"model\": ", 400),
@@ -143,6 +144,19 @@ BAD_INPUTS = [
     ("chat_template_kwargs sets tokenize", CH, {**CHAT, "chat_template_kwargs": {"tokenize": False}}, 400),
     ("tool call arguments not JSON", CH, {**CHAT, "messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400),
+    ("responses: previous_response_id", R, {**RESP, "previous_response_id": "resp_1"}, 400),
+    ("responses: empty input", R, {**RESP, "input": []}, 400),
+    ("responses: input image", R, {**RESP, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x"}]}]}, 400),
+    ("responses: built-in tool", R, {**RESP, "tools": [{"type": "web_search"}]}, 400),
+    ("responses: json_schema without schema", R, {**RESP, "text": {"format": {"type": "json_schema", "name": "x"}}},
+     400),
+    ("responses: schema not a schema", R, {**RESP, "text": {"format": {"type": "json_schema", "name": "x",
+                                                                     "schema": {"type": "objectx"}}}}, 400),
+    ("responses: tool_choice names no tool", R, {**RESP, "tools": [{"type": "function", "name": "f"}],
+                                                 "tool_choice": {"type": "function", "name": "g"}}, 400),
+    ("responses: max_output_tokens huge", R, {**RESP, "max_output_tokens": 10**9}, 400),
+    ("responses: unknown field", R, {**RESP, "frobnicate": 1}, 400),
 ]
 
 

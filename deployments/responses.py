@@ -1,0 +1,415 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat pipeline.
+
+A request's `instructions` and `input` items become chat messages, its function tools
+chat tools and its `text.format` a `response_format`, so the same template, constraints
+and tool and reasoning parsing serve both endpoints. The choice's reasoning, text and
+tool calls come back as output items: whole, or as the API's stream of typed events
+(`ResponseEvents`). Nothing is stored, so every request carries its whole conversation,
+as with `store: false`; `previous_response_id` is refused with a 400 that says so.
+"""
+
+import time
+import uuid
+from typing import Literal, Union
+
+from pydantic import ConfigDict, Field, model_validator
+
+from .protocol import _Strict
+
+
+class _Item(_Strict):
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class InputText(_Strict):
+    """Text of a message: `input_text` from a client, `output_text` handed back from a
+    response (its annotations and logprobs are accepted and dropped)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[Union[InputText, Refusal]]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, InputText))
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[InputText]]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class SummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    """A reasoning item handed back: its text goes to the template with the assistant
+    turn that follows it, as a chat message's `reasoning` does."""
+
+    type: Literal["reasoning"]
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
+InputItem = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError("schema is required with type 'json_schema', and only with it")
+        return self
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(_Strict):
+    """Accepted; a thinking model reasons as its template has it (see
+    `chat_template_kwargs` on the chat endpoint)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: Union[str, list[InputItem]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    # Bookkeeping that changes nothing generated: accepted. Nothing is stored.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    previous_response_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.previous_response_id is not None:
+            raise ValueError("this server stores no responses: send the whole conversation in input "
+                             "(as with store: false)")
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        return self
+
+    def chat_body(self) -> dict:
+        """The same request as a chat completion's body (`ChatCompletionRequest`)."""
+        body = {"model": self.model, "messages": self.messages(), "temperature": self.temperature,
+                "top_p": self.top_p, "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls}
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, FunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+        if self.user is not None:
+            body["user"] = self.user
+        return body
+
+    def messages(self) -> list[dict]:
+        """`instructions` as the system message, then the items as chat messages: a
+        function call joins the assistant turn before it (or opens one), its output
+        becomes a tool message, and reasoning goes with the assistant turn after it."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        reasoning = ""
+        for item in items:
+            last = out[-1] if out else None
+            if isinstance(item, ReasoningItem):
+                reasoning += item.text()
+            elif isinstance(item, MessageItem):
+                m = {"role": item.role, "content": item.text()}
+                if item.role == "assistant" and reasoning:
+                    m["reasoning"], reasoning = reasoning, ""
+                out.append(m)
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if last is None or last["role"] != "assistant" or reasoning:
+                    last = {"role": "assistant", "content": ""}
+                    if reasoning:
+                        last["reasoning"], reasoning = reasoning, ""
+                    out.append(last)
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return out
+
+    def echo(self) -> dict:
+        """The request's settings, as a response repeats them."""
+        fmt = self.text.format if self.text and self.text.format else TextFormat(type="text")
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return {
+            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+            "reasoning": (self.reasoning or ReasoningConfig()).model_dump(exclude={"generate_summary"}),
+            "store": False, "metadata": self.metadata or {}, "previous_response_id": None,
+            "truncation": "disabled", "user": self.user, "background": False,
+        }
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, output: int, cached: int, reasoning: int) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + output}
+
+
+def reasoning_tokens(token_ids: list[int], end_marker: int | None, reasoned: bool) -> int:
+    """The output tokens up to and including the one that ends the reasoning (all of
+    them if it never ended); 0 for an answer without reasoning."""
+    if not reasoned:
+        return 0
+    if end_marker is not None and end_marker in token_ids:
+        return token_ids.index(end_marker) + 1
+    return len(token_ids)
+
+
+class ResponseBody:
+    """One response's envelope: its id, creation time and the request's settings."""
+
+    def __init__(self, request: ResponsesRequest, model: str):
+        self.id, self.created_at = _id("resp"), int(time.time())
+        self.model, self.settings = model, request.echo()
+
+    def body(self, status: str, output: list[dict], usage_: dict | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "error": None, "incomplete_details": incomplete, "model": self.model, "output": output,
+                "usage": usage_, **self.settings}
+
+
+def output_items(message: dict, finish_reason: str | None) -> list[dict]:
+    """A finished chat message (`ChoiceParser.message`) as output items: its reasoning,
+    its text (also when empty, unless it made calls) and its function calls."""
+    items, status = [], "incomplete" if finish_reason == "length" else "completed"
+    if message.get("reasoning"):
+        items.append(_reasoning_item(_id("rs"), message["reasoning"], "completed"))
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        items.append(_message_item(_id("msg"), message.get("content") or "", status))
+    for c in calls:
+        items.append(_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
+    return items
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [_text_part(text)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+class ResponseEvents:
+    """The stream of one response: `opening()`, then `feed(delta)` with each chunk's
+    delta fields (`ChoiceParser.feed`: `reasoning`, `content`, `tool_calls`), then
+    `closing(finish_reason, usage)`. Each output item opens when its first piece comes
+    and is done when the next kind begins or the response ends; every event carries
+    the next `sequence_number`."""
+
+    def __init__(self, envelope: ResponseBody):
+        self.envelope = envelope
+        self.seq = 0
+        self.items: list[dict] = []       # finished output items
+        self.open: dict | None = None     # the item being streamed: its kind, id and text so far
+
+    def _event(self, type_: str, **fields) -> dict:
+        ev = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def opening(self) -> list[dict]:
+        body = self.envelope.body("in_progress", [])
+        return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
+
+    def feed(self, delta: dict) -> list[dict]:
+        events = []
+        if delta.get("reasoning"):
+            events += self._text("reasoning", delta["reasoning"])
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or []:
+            events += self._call(call)
+        return events
+
+    def closing(self, finish_reason: str | None, usage_: dict) -> list[dict]:
+        events = self._close(finish_reason)
+        if not any(i["type"] != "reasoning" for i in self.items):   # no text: an empty message, as whole
+            events += self._text("message", "") + self._close(finish_reason)
+        status = "incomplete" if finish_reason == "length" else "completed"
+        body = self.envelope.body(status, self.items, usage_)
+        return events + [self._event(f"response.{status}", response=body)]
+
+    def _index(self) -> int:
+        return len(self.items)
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["kind"] != kind:
+            events += self._close(None)
+            item_id = _id("rs" if kind == "reasoning" else "msg")
+            self.open = {"kind": kind, "id": item_id, "text": ""}
+            if kind == "reasoning":
+                events.append(self._event("response.output_item.added", output_index=self._index(),
+                                          item=_reasoning_item(item_id, None, "in_progress")))
+                events.append(self._event("response.content_part.added", item_id=item_id,
+                                          output_index=self._index(), content_index=0,
+                                          part={"type": "reasoning_text", "text": ""}))
+            else:
+                events.append(self._event("response.output_item.added", output_index=self._index(),
+                                          item=_message_item(item_id, None, "in_progress")))
+                events.append(self._event("response.content_part.added", item_id=item_id,
+                                          output_index=self._index(), content_index=0, part=_text_part("")))
+        self.open["text"] += text
+        where = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
+        if kind == "reasoning" and text:
+            events.append(self._event("response.reasoning_text.delta", **where, delta=text))
+        elif text:
+            events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))
+        return events
+
+    def _call(self, call: dict) -> list[dict]:
+        events = []
+        fn = call.get("function") or {}
+        if "id" in call:   # a new call: its header (and, from a parsed "auto" call, all of it)
+            events += self._close(None)
+            item_id = _id("fc")
+            self.open = {"kind": "call", "id": item_id, "call_id": call["id"], "name": fn.get("name", ""),
+                         "text": ""}
+            events.append(self._event("response.output_item.added", output_index=self._index(),
+                                      item=_call_item(item_id, call["id"], self.open["name"], "", "in_progress")))
+        pieces = fn.get("arguments") or ""
+        if pieces:
+            self.open["text"] += pieces
+            events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                      output_index=self._index(), delta=pieces))
+        return events
+
+    def _close(self, finish_reason: str | None) -> list[dict]:
+        """The events that finish the open item, if any."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, events = self._index(), []
+        where = {"item_id": item["id"], "output_index": index}
+        if item["kind"] == "reasoning":
+            done = _reasoning_item(item["id"], item["text"], "completed")
+            events.append(self._event("response.reasoning_text.done", **where, content_index=0, text=item["text"]))
+            events.append(self._event("response.content_part.done", **where, content_index=0,
+                                      part=done["content"][0]))
+        elif item["kind"] == "message":
+            status = "incomplete" if finish_reason == "length" else "completed"
+            done = _message_item(item["id"], item["text"], status)
+            events.append(self._event("response.output_text.done", **where, content_index=0, text=item["text"],
+                                      logprobs=[]))
+            events.append(self._event("response.content_part.done", **where, content_index=0,
+                                      part=done["content"][0]))
+        else:
+            done = _call_item(item["id"], item["call_id"], item["name"], item["text"], "completed")
+            events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                      arguments=item["text"]))
+        events.append(self._event("response.output_item.done", output_index=index, item=done))
+        self.items.append(done)
+        return events

@@ -1,0 +1,136 @@
+"""The Responses API's translation (deployments/responses.py): items to chat messages,
+and a choice's text to output items, where the stream of events and the whole response
+must agree however the text is cut into chunks. Over HTTP it is tested in test_http."""
+
+import json
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.chat_output import ChoiceParser
+from deployments.reasoning import ReasoningSplit
+from deployments.responses import ResponseBody, ResponseEvents, ResponsesRequest, output_items, reasoning_tokens
+from deployments.tools import ToolOutput
+
+TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def _request(**kw) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi", **kw})
+
+
+def test_items_become_the_chat_conversation():
+    """Instructions lead as the system message; a call joins the assistant turn before
+    it, its output is a tool message, and reasoning goes with the assistant turn after."""
+    r = _request(instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "now?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}', "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "cold"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+        {"role": "developer", "content": "Answer in French."},
+    ])
+    call = {"type": "function", "function": {"name": "get_weather"}}
+    assert r.messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather now?"},
+        {"role": "assistant", "content": "Checking.", "reasoning": "look",
+         "tool_calls": [{"id": "call_1", **call, "function": {**call["function"], "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call_2", **call, "function": {**call["function"], "arguments": "{}"}}]},
+        {"role": "developer", "content": "Answer in French."},
+    ]
+
+
+def test_tools_choice_and_format_become_the_chat_fields():
+    body = _request(tools=[{"type": "function", **TOOL}], tool_choice={"type": "function", "name": "get_weather"},
+                    text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": True}},
+                    max_output_tokens=9, parallel_tool_calls=False).chat_body()
+    assert body["tools"] == [{"type": "function", "function": TOOL}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": {"type": "object"}, "strict": True}}
+    assert body["max_completion_tokens"] == 9 and body["parallel_tool_calls"] is False
+    assert _request(text={"format": {"type": "json_object"}}).chat_body()["response_format"] == {"type": "json_object"}
+    assert "response_format" not in _request(text={"format": {"type": "text"}}).chat_body()
+
+
+@pytest.mark.parametrize("bad", [
+    {"previous_response_id": "resp_1"},
+    {"input": []},
+    {"truncation": "auto"},
+    {"tools": [{"type": "web_search"}]},
+    {"text": {"format": {"type": "json_schema", "name": "x"}}},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+    {"include": ["message.output_text.logprobs"]},
+    {"temperature": 3},
+    {"top_logprobs": 2},
+])
+def test_what_cannot_be_served_is_refused(bad):
+    with pytest.raises(ValidationError):
+        _request(**bad)
+
+
+def _parser(mode=None, opened=False):
+    tools = ToolOutput(mode, None, [TOOL]) if mode else None
+    return ChoiceParser(ReasoningSplit("<think>", "</think>", opened), tools)
+
+
+def _without_ids(items):
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+@pytest.mark.parametrize("text, mode, finish", [
+    ("<think>plan it</think>Hello there", None, "stop"),
+    ("Hello there", None, "length"),
+    ("<think>still thinking", None, "length"),
+    ('<think>pick</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "required", "stop"),
+    ('{"city": "Oslo"}', "get_weather", "stop"),
+])
+def test_the_stream_and_the_whole_response_agree(text, mode, finish):
+    """However the text is cut, the events add up to the items the whole response has:
+    each item added once and done once under one id, its deltas joining to its text,
+    the numbers in sequence, the response last."""
+    message, reason = _parser(mode).message(text, finish)
+    whole = output_items(message, reason)
+    for seed in range(5):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        parser, stream = _parser(mode), ResponseEvents(ResponseBody(_request(), "m"))
+        events = stream.opening()
+        for i, chunk in enumerate(chunks):
+            delta, _ = parser.feed(chunk, finish if i == len(chunks) - 1 else None)
+            events += stream.feed(delta)
+        events += stream.closing(finish, {})
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        final = events[-1]
+        assert final["type"] == f"response.{'incomplete' if finish == 'length' else 'completed'}"
+        assert _without_ids(final["response"]["output"]) == _without_ids(whole)
+        added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert added == [d["id"] for d in done] == [item["id"] for item in final["response"]["output"]]
+        for item in done:
+            pieces = "".join(e["delta"] for e in events if e.get("item_id") == item["id"] and e["type"].endswith(".delta"))
+            text_of = item.get("arguments") if item["type"] == "function_call" else item["content"][0]["text"]
+            assert pieces == text_of
+
+
+def test_reasoning_tokens_count_up_to_the_end_marker():
+    assert reasoning_tokens([5, 6, 99, 7], 99, True) == 3
+    assert reasoning_tokens([5, 6, 7], 99, True) == 3
+    assert reasoning_tokens([5, 6, 7], 99, False) == 0
+
+
+def test_a_whole_response_repeats_the_request():
+    r = _request(tools=[{"type": "function", **TOOL}], metadata={"k": "v"}, max_output_tokens=5)
+    body = ResponseBody(r, "m").body("completed", [], None)
+    assert body["tools"] == [{"type": "function", **TOOL}] and body["tool_choice"] == "auto"
+    assert body["metadata"] == {"k": "v"} and body["store"] is False and body["max_output_tokens"] == 5
+    assert body["text"] == {"format": {"type": "text"}}
+    json.dumps(body)
