@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -170,11 +171,13 @@ def ours(model: str, engine: dict, name: str, extra: dict, front: str = "proxy",
     from tests.serving import ServeRun
 
     run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, front=front, env=env)
+    _started.add(run.proc.pid)
     try:
         yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
                      f"serve run, start-up {run.startup_s:.0f} s")
     finally:
         run.stop()
+        _started.discard(run.proc.pid)
         for proc in ("ServeReplica:", "runtime.engine_process"):
             _wait_gone(proc, 120)   # their device memory must be free before the next system
 
@@ -226,6 +229,7 @@ def subprocess_server(name: str, cmd: list[str], port: int, model_name: str, ext
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _started.add(proc.pid)
     try:
         _wait_http(f"http://127.0.0.1:{port}/v1/models", proc, log, 900)
         yield Target(name, lambda: sb.HTTPBackend(f"http://127.0.0.1:{port}", model_name, extra),
@@ -236,6 +240,35 @@ def subprocess_server(name: str, cmd: list[str], port: int, model_name: str, ext
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
+        _started.discard(proc.pid)
+
+
+# A run stopped with SIGTERM (`timeout`, a job scheduler) must still stop the servers it
+# started: an orphaned one keeps its device memory and starves the next run. The exit
+# goes through the `finally` blocks that stop them; should that hang (a cleanup waiting
+# on a connection that never ends), whatever is left is killed after `SIGTERM_GRACE_S`.
+SIGTERM_GRACE_S = 45.0
+_started: set[int] = set()   # the process groups of the servers this run started
+_stopping = threading.Event()
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _stopping.is_set():   # a second SIGTERM must not cut the first one's cleanup short
+        return
+    _stopping.set()
+    timer = threading.Timer(SIGTERM_GRACE_S, _kill_and_exit)
+    timer.daemon = True   # a clean exit does not wait for it
+    timer.start()
+    sys.exit(128 + signal.SIGTERM)
+
+
+def _kill_and_exit() -> None:
+    for pgid in list(_started):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(128 + signal.SIGTERM)
 
 
 def mlx_lm_server(model: str, max_concurrency: int, extra: dict):
@@ -670,9 +703,7 @@ def main(argv=None):
     unknown = [s for s in args.systems if s not in SYSTEMS and app_variant(s) is None]
     if unknown:
         ap.error(f"unknown systems {unknown}: {', '.join(SYSTEMS)}, ours-chunks-N or {', '.join(VARIANTS)}")
-    # A run stopped with SIGTERM (`timeout`, a job scheduler) must still stop the servers
-    # it started: an orphaned one keeps its device memory and starves the next run.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     if args.replot:
         rows = json.loads((Path(args.results_dir) / f"compare_{args.tag}.json").read_text())
         print(json.dumps(headline(rows, args), indent=2))
