@@ -154,6 +154,8 @@ def build_app(args: AppArgs) -> serve.Application:
     keys += [k.strip() for k in env_keys.split(",") if k.strip()]
     name = args.served_model_name or (Path(model).name if Path(model).exists() else model)
     engine = {**args.engine, "model": model}
+    if engine.get("adapter_path") and Path(engine["adapter_path"]).exists():
+        engine["adapter_path"] = str(Path(engine["adapter_path"]).resolve())   # replicas run elsewhere
     settings = {
         "model": model, "served_model_name": name, "api_keys": keys,
         "max_request_body_bytes": args.max_request_body_bytes,

@@ -19,9 +19,12 @@ class EngineConfig:
     `fuse_projections` concatenates each layer's q/k/v and gate/up weights, so each
     set is one matmul (models/fuse.py). `device` ("cpu" or "gpu") overrides MLX's
     default device for the engine's process, e.g. to run replicas on a host's cores.
+    `adapter_path`: a directory of LoRA (or DoRA) adapters that mlx-lm's fine-tuning
+    wrote (`adapters.safetensors`, `adapter_config.json`), applied as mlx-lm applies them.
     """
 
     model: str = str(default_model_path())
+    adapter_path: str | None = None
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None

@@ -88,7 +88,8 @@ class LLMEngine:
                 raise ValueError(f"device {config.device!r} is not available to MLX here "
                                  f"(default: {mx.default_device()})")
             mx.set_default_device(device)
-        self.model, self.tokenizer, self.model_config = load(config.model, config.trust_remote_code)
+        self.model, self.tokenizer, self.model_config = load(config.model, config.trust_remote_code,
+                                                             config.adapter_path)
         if config.fuse_projections:
             log.info("fused %d projection sets", fuse_projections(self.model))
         self._hf = self.tokenizer._tokenizer

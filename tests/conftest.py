@@ -77,19 +77,21 @@ def format_model(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=8)
-def _mlx_lm_model(path: str):
+def _mlx_lm_model(path: str, adapter_path: str | None = None):
     from mlx_lm import load
 
-    return load(path)[0]
+    return load(path, adapter_path=adapter_path)[0]
 
 
-def reference_greedy(path, prompt_ids, max_tokens):
-    """mlx-lm's own greedy decode of the model at `path`, loaded by mlx-lm as it is
-    (the engine's copy has fused projections): [(token, logprobs over the vocab)] per step."""
+def reference_greedy(path, prompt_ids, max_tokens, adapter_path=None):
+    """mlx-lm's own greedy decode of the model at `path` (with the LoRA adapters at
+    `adapter_path`), loaded by mlx-lm as it is (the engine's copy has fused
+    projections): [(token, logprobs over the vocab)] per step."""
     from mlx_lm.generate import generate_step
 
     out = []
-    for tok, logprobs in generate_step(mx.array(prompt_ids), _mlx_lm_model(path), max_tokens=max_tokens,
+    model = _mlx_lm_model(path, adapter_path)
+    for tok, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens,
                                        sampler=lambda lp: mx.argmax(lp, axis=-1)):
         out.append((int(tok), logprobs.astype(mx.float32)))
         if len(out) == max_tokens:
@@ -116,3 +118,29 @@ def rope_cannot_launch(head_dim: int, rows: int = 256) -> bool:
 needs_rope16_launch = pytest.mark.skipif(
     rope_cannot_launch(16), reason="MLX's CUDA rope cannot launch head_dim 16 on 128 rows or more "
                                    "(conftest.rope_cannot_launch)")
+
+
+def make_lora_adapter(model_path: str, out, rank: int = 4, scale: float = 8.0, seed: int = 7) -> str:
+    """A LoRA adapter directory as mlx-lm's fine-tuning writes it, for the last two
+    layers of the model at `model_path`, with random (nonzero) weights so it changes
+    the outputs."""
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = load(model_path)[0]
+    model.freeze()
+    lora = {"rank": rank, "scale": scale, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, lora)
+    mx.random.seed(seed)
+    weights = {k: mx.random.normal(v.shape, scale=0.05).astype(v.dtype)
+               for k, v in tree_flatten(model.trainable_parameters())}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    return str(out)

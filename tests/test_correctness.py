@@ -17,7 +17,7 @@ from runtime import model_runner
 from runtime.attention import metadata
 from runtime.kv.paged_cache import PagedLayerCache
 
-from .conftest import needs_rope16_launch, reference_greedy
+from .conftest import make_lora_adapter, needs_rope16_launch, reference_greedy
 
 TOL = {"llama": 2e-4, "qwen3": 2e-4, "llama-4bit": 4e-3}
 MAX_TOKENS = 12
@@ -28,7 +28,7 @@ def _params(n=MAX_TOKENS):
 
 
 def _check(engine, out, prompt_ids, tol, max_tokens=MAX_TOKENS):
-    ref = reference_greedy(engine.config.model, prompt_ids, max_tokens)
+    ref = reference_greedy(engine.config.model, prompt_ids, max_tokens, engine.config.adapter_path)
     got = out.outputs[0]
     assert got.token_ids == [t for t, _ in ref], "greedy tokens differ from mlx-lm"
     for lp, (tok, ref_lp) in zip(got.logprobs, ref):
@@ -330,3 +330,27 @@ def test_last_layer_attends_for_sampling_rows_only(arch, monkeypatch):
         _check(engine, done[rid], ids, TOL[name])
     assert any(rows < t for t, rows in seen)       # a prompt chunk's rows left out
     assert engine.stats()["num_blocks_held_by_requests"] == 0
+
+
+def test_lora_adapters_match_mlx_lm(arch, tmp_path):
+    """`adapter_path`: the engine runs the model with mlx-lm's LoRA layers as mlx-lm
+    applies them (their projections stay unfused): the same greedy tokens and logprobs
+    as mlx-lm's decode with the adapters, paged, batched and chunked; and not the base
+    model's."""
+    name, path = arch
+    adapter = make_lora_adapter(path, tmp_path / "adapter")
+    engine = LLMEngine(EngineConfig(model=path, adapter_path=adapter, num_gpu_blocks=64, block_size=8,
+                                    max_num_batched_tokens=24))
+    rng = random.Random(11)
+    prompts = [_prompt(rng, n) for n in (5, 19, 40)]
+    outs = engine.generate([list(p) for p in prompts], _params())
+    for p, out in zip(prompts, outs):
+        _check(engine, out, p, TOL[name])
+    base = [t for t, _ in reference_greedy(path, prompts[2], MAX_TOKENS)]
+    assert outs[2].outputs[0].token_ids != base, "the adapter changed nothing: the test proves nothing"
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
+
+
+def test_a_missing_adapter_is_a_clear_error(model_dirs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="adapter_path"):
+        LLMEngine(EngineConfig(model=model_dirs["llama"], adapter_path=str(tmp_path / "nowhere")))

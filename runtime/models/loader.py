@@ -8,16 +8,20 @@ from mlx.utils import tree_flatten
 from ..errors import UnsupportedModelError
 
 
-def load(path_or_repo: str, trust_remote_code: bool = False):
-    """`mlx_lm.load` on a local directory or a hub repo id (`mlx-community/...`).
-    Returns (model, tokenizer wrapper, config dict)."""
+def load(path_or_repo: str, trust_remote_code: bool = False, adapter_path: str | None = None):
+    """`mlx_lm.load` on a local directory or a hub repo id (`mlx-community/...`), with
+    the LoRA adapters in `adapter_path` if given. Returns (model, tokenizer wrapper,
+    config dict)."""
     from mlx_lm import load as mlx_load
 
     if not Path(path_or_repo).exists() and "/" not in path_or_repo:
         raise FileNotFoundError(f"model {path_or_repo!r} is neither a directory nor a hub repo id")
+    if adapter_path is not None and not (Path(adapter_path) / "adapter_config.json").exists():
+        raise FileNotFoundError(f"adapter_path {adapter_path!r} is not a directory of mlx-lm adapters "
+                                "(adapter_config.json and adapters.safetensors)")
     try:
         model, tokenizer, config = mlx_load(
-            path_or_repo, return_config=True,
+            path_or_repo, return_config=True, adapter_path=adapter_path,
             tokenizer_config={"trust_remote_code": trust_remote_code} if trust_remote_code else None)
     except ValueError as e:
         if "not supported" in str(e):
