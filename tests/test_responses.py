@@ -134,3 +134,29 @@ def test_a_whole_response_repeats_the_request():
     assert body["metadata"] == {"k": "v"} and body["store"] is False and body["max_output_tokens"] == 5
     assert body["text"] == {"format": {"type": "text"}}
     json.dumps(body)
+
+
+def test_auto_calls_in_the_models_own_format_stream_as_whole_items(format_model):
+    """"auto": calls the model writes between its markers (mlx-lm's parser) come out as
+    function_call items after the text, in the stream as whole."""
+    from mlx_lm.utils import load_tokenizer
+    from pathlib import Path
+
+    tok = load_tokenizer(Path(format_model))
+    text = ('<think>check</think>Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>')
+
+    def parser():
+        return ChoiceParser(ReasoningSplit(tok.think_start, tok.think_end, False), ToolOutput("auto", tok, [TOOL]))
+
+    message, reason = parser().message(text, "stop")
+    whole = output_items(message, reason)
+    assert [i["type"] for i in whole] == ["reasoning", "message", "function_call"]
+    assert json.loads(whole[2]["arguments"]) == {"city": "Paris"} and whole[1]["content"][0]["text"] == "Checking."
+    for cut in range(1, len(text), 7):
+        p, stream = parser(), ResponseEvents(ResponseBody(_request(), "m"))
+        events = stream.opening()
+        for chunk, finish in ((text[:cut], None), (text[cut:], "stop")):
+            events += stream.feed(p.feed(chunk, finish)[0])
+        events += stream.closing("stop", {})
+        assert _without_ids(events[-1]["response"]["output"]) == _without_ids(whole)
