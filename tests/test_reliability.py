@@ -229,6 +229,57 @@ def test_fuzz_completion_schema(server, body):
         assert _is_openai_error(r), r.text
 
 
+text_parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                             "text": st.one_of(st.text(max_size=8), json_scalars)}), max_size=2)
+items = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+                           "content": st.one_of(st.text(max_size=12), text_parts)},
+                          optional={"type": st.sampled_from(["message", "reasoning"])}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=6),
+                           "name": st.one_of(st.sampled_from(["f", "g"]), json_scalars),
+                           "arguments": st.one_of(st.sampled_from(["{}", '{"a": 1}', "{oops", ""]), json_scalars)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=6),
+                           "output": st.one_of(st.text(max_size=8), json_scalars)}),
+    json_scalars)
+# The model and input are mostly well-formed, so that most bodies reach the translation.
+response_fields = st.fixed_dictionaries({
+    "model": st.just(MODEL),
+    "input": st.one_of(st.text(min_size=1, max_size=40), st.lists(items, min_size=1, max_size=4)),
+}, optional={
+    "instructions": st.one_of(st.text(max_size=10), json_scalars),
+    "max_output_tokens": st.one_of(st.integers(-3, 6), json_scalars),
+    "temperature": st.one_of(st.floats(-1, 3), json_scalars),
+    "stream": st.booleans(),
+    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                       "name": st.sampled_from(["f", "g"])},
+                                                      optional={"parameters": st.one_of(st.just({"type": "object"}),
+                                                                                        json_scalars)}),
+                                max_size=2), json_scalars),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                             st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "h"])}),
+                             json_scalars),
+    "text": st.one_of(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+        optional={"name": st.text(max_size=4), "schema": st.one_of(st.just({"type": "object"}), json_scalars)})}),
+        json_scalars),
+    "previous_response_id": st.one_of(st.none(), st.text(max_size=6)),
+})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=response_fields)
+def test_fuzz_responses_schema(server, body):
+    """The same for `/v1/responses`, whose items become chat messages; a stream that
+    answers 200 carries no error event."""
+    r = httpx.post(server.urls["rel"] + R, json={**body, "max_output_tokens": body.get("max_output_tokens", 4)},
+                   timeout=60)
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        assert _is_openai_error(r), r.text
+    else:
+        assert "event: error" not in r.text and "Traceback" not in r.text
+
+
 # -- security ---------------------------------------------------------------------
 def test_tenants_never_share_prefix_blocks(server):
     url = server.urls["sec"]
