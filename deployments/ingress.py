@@ -426,8 +426,7 @@ class OpenAIIngress:
             raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
                                  "'auto' (the default with tools) cannot work; use 'required' or name a "
                                  "function, which hold the output to the tools' JSON", param="tool_choice")
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                   body.chat_template_kwargs)
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools, body.template_kwargs())
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
         if mode == "auto":

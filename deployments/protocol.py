@@ -342,8 +342,14 @@ class _ChatTemplate(_Strict):
         return v
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatCompletionRequest(_Sampling, _ChatTemplate):
     messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's: the template gets it as the variable `reasoning_effort` (gpt-oss's
+    # template reads it; templates that do not are unchanged).
+    reasoning_effort: Effort | None = None
     # OpenAI's bookkeeping fields, which change nothing a model generates: accepted and
     # left unused, so clients that always send them work. Text is the only modality.
     store: bool | None = None
@@ -377,6 +383,12 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate):
 
     def tool_defs(self) -> list[dict]:
         return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def template_kwargs(self) -> dict | None:
+        """`chat_template_kwargs`, with `reasoning_effort` unless they set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def tool_mode(self) -> str | None:
         """None (no tools, or "none"), "auto", "required" or the named function."""

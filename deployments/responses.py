@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 from pydantic import ConfigDict, Field, model_validator
 
-from .protocol import _Strict
+from .protocol import Effort, _Strict
 
 
 class _Item(_Strict):
@@ -125,10 +125,10 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    """Accepted; a thinking model reasons as its template has it (see
-    `chat_template_kwargs` on the chat endpoint)."""
+    """`effort` reaches the chat template as `reasoning_effort`, as the chat endpoint's
+    field does; a summary is never made (reasoning comes back whole)."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Effort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -187,6 +187,8 @@ class ResponsesRequest(_Strict):
                 "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
         if self.user is not None:
             body["user"] = self.user
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         return body
 
     def messages(self) -> list[dict]:

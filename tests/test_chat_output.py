@@ -6,6 +6,7 @@ markers), whole and streamed in any pieces."""
 import json
 import random
 
+import pydantic
 import pytest
 
 from deployments.protocol import ChatCompletionRequest, chat_prompt_ids
@@ -176,3 +177,28 @@ def test_reasoning_then_a_tool_call(tokenizer):
             i += n
         assert reason == "tool_calls" and got["reasoning"] == "They want weather." and got["content"] == "Sure."
         assert _plain(got["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_reasoning_effort_reaches_the_template(default_model):
+    """OpenAI's `reasoning_effort` (chat) and `reasoning.effort` (Responses) are the
+    template's `reasoning_effort` variable; `chat_template_kwargs` set it first."""
+    from deployments.responses import ResponsesRequest
+
+    tok = load_tokenizer(default_model)
+    tok._tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                                    "|effort={{ reasoning_effort | default('unset') }}")
+    hi = [{"role": "user", "content": "hi"}]
+
+    def prompt(extra):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": hi, **extra})
+        return tok.decode(chat_prompt_ids(tok, [m.for_template() for m in body.messages], True, None,
+                                          body.template_kwargs()))
+
+    assert prompt({}).endswith("|effort=unset")
+    assert prompt({"reasoning_effort": "low"}).endswith("|effort=low")
+    assert prompt({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}).endswith(
+        "|effort=high")
+    chat = ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
+    assert prompt({"reasoning_effort": chat.chat_body()["reasoning_effort"]}).endswith("|effort=minimal")
+    with pytest.raises(pydantic.ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": hi, "reasoning_effort": "extreme"})
