@@ -130,17 +130,21 @@ class ServeRun:
         self.urls = {a["name"]: self.base + a["route_prefix"].rstrip("/") for a in applications}
         deadline = t0 + timeout
         pending = set(self.urls.values())
-        while pending and time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.close()
-                raise RuntimeError(f"serve run exited: {self.tail()}")
-            for url in list(pending):
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        pending.discard(url)
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.5)
+        try:
+            while pending and time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    self.log.close()
+                    raise RuntimeError(f"serve run exited: {self.tail()}")
+                for url in list(pending):
+                    try:
+                        if httpx.get(url + "/health", timeout=2).status_code == 200:
+                            pending.discard(url)
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.5)
+        except BaseException:   # stopped while starting (SIGTERM, Ctrl-C): stop what was started
+            self.stop()
+            raise
         if pending:
             self.stop()
             raise TimeoutError(f"serve run not ready in {timeout}s: {self.tail()}")
