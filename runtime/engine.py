@@ -265,7 +265,8 @@ class LLMEngine:
         """Queue the next forward pass on the device, then read back and process the
         one queued before it, so host work (detokenizing, stop checks, scheduling)
         overlaps device work. A sequence whose sampling needs its history on the host
-        (penalties) makes the engine finish the step in flight first."""
+        (penalties) makes the engine finish the step in flight first; one under a
+        structured output constraint defers only its step's sampling (`_build`)."""
         t0 = time.perf_counter()
         try:
             return self._step()
@@ -276,7 +277,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._undelivered = self._undelivered, []
-        if self._inflight is not None and any(s.params.needs_history for s in self.scheduler.running):
+        if self._inflight is not None and any(s.params.has_penalties for s in self.scheduler.running):
             outputs += self._finish_step(self._inflight)
             self._inflight = None
         sched = self.scheduler.schedule()
@@ -285,6 +286,10 @@ class LLMEngine:
             outputs += self._finish_step(prev, launched)
         elif launched is not None:
             self.runner.queue(launched)
+        if launched is not None and launched.deferred:
+            # Its forward pass runs while `prev`'s tokens were processed (the grammars
+            # consumed them); now its masks can be made, and it samples behind it.
+            self.runner.sample(launched)
         self._inflight = launched
         if not self.config.async_scheduling and launched is not None:
             outputs += self._finish_step(launched)
@@ -292,7 +297,11 @@ class LLMEngine:
         return outputs
 
     def _build(self, sched) -> PendingStep:
-        pending = self.runner.build(sched.scheduled, self._inflight)
+        # Penalties read the host's token history: their steps wait for the one before.
+        # A grammar's mask needs only the previous token consumed, which the host does
+        # while this step's forward pass runs: only the sampling waits.
+        defer = any(s.seq.grammar is not None for s in sched.scheduled if s.samples)
+        pending = self.runner.build(sched.scheduled, self._inflight, defer_sampling=defer)
         for s in sched.scheduled:
             seq = s.seq
             if s.samples:
@@ -444,6 +453,8 @@ class LLMEngine:
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
+        if not self.requests:   # the step queued behind the last tokens: nothing of it is wanted
+            self.step()
         return [done[r] for r in ids]
 
     # -- introspection -------------------------------------------------------------------

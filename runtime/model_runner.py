@@ -56,13 +56,20 @@ class PromptRows:
 @dataclass
 class PendingStep:
     """A step queued on the device: its sampling sequences, in row order, and the lazy
-    sampled arrays; `row_of` maps a sequence id to its row."""
+    sampled arrays; `row_of` maps a sequence id to its row. A step whose sampling waits
+    for the host (`deferred`: structured outputs, whose masks need the previous step's
+    tokens consumed) holds its `logits` until `ModelRunner.sample` makes `result`."""
 
     seqs: list
     result: SampleResult | None
     row_of: dict[int, int]
     positions: list[int] = field(default_factory=list)   # where each sampled token goes
     prompt: PromptRows | None = None
+    logits: mx.array | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return self.logits is not None
 
 
 class ModelRunner:
@@ -174,15 +181,19 @@ class ModelRunner:
                               plan_per_shape=self.plan_per_shape)
         return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta)
 
-    def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None) -> "PendingStep":
+    def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None,
+              defer_sampling: bool = False) -> "PendingStep":
         """Build a step's graph, forward pass and sampling, lazily: nothing is queued on
-        the device yet, so this runs while `prev` does."""
+        the device yet, so this runs while `prev` does. `defer_sampling`: the forward
+        pass alone; `sample` adds the sampling once the host is ready for it."""
         spans = self._prompt_spans(scheduled)
         logits = self.forward(scheduled, prev=prev, prompt_spans=spans)
         seqs = [s.seq for s in scheduled if s.samples]
         sampling = logits[:len(seqs)] if spans else logits
-        step = PendingStep(seqs, sample(sampling, seqs) if seqs else None,
-                           {seq.seq_id: i for i, seq in enumerate(seqs)})
+        deferred = defer_sampling and bool(seqs)
+        step = PendingStep(seqs, sample(sampling, seqs) if seqs and not deferred else None,
+                           {seq.seq_id: i for i, seq in enumerate(seqs)},
+                           logits=sampling if deferred else None)
         if spans:
             targets = [seq.token_ids[p + 1] for seq, first, count, _ in spans for p in range(first, first + count)]
             k = max(seq.params.prompt_logprobs for seq, *_ in spans)
@@ -214,9 +225,20 @@ class ModelRunner:
         step, every KV write would copy its layer's whole pool array."""
         res, pr = pending.result, pending.prompt
         outs = [] if res is None else [res.tokens, res.logprobs, res.top_ids, res.top_logprobs]
+        if pending.deferred:
+            outs.append(pending.logits)
         if pr is not None:
             outs += [pr.logprobs, pr.top_ids, pr.top_logprobs]
         mx.async_eval(*(a for a in outs if a is not None), *self.pool.arrays())
+
+    @staticmethod
+    def sample(pending: "PendingStep") -> None:
+        """Sample a deferred step's logits, queued behind its forward pass, with the
+        sequences' state as the host has it now (their grammars advanced past the
+        previous step's tokens)."""
+        res = pending.result = sample(pending.logits, pending.seqs)
+        pending.logits = None
+        mx.async_eval(*(a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if a is not None))
 
     @staticmethod
     def wait() -> None:

@@ -62,11 +62,6 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @property
-    def needs_history(self) -> bool:
-        """Penalties and structured outputs read the tokens generated so far."""
-        return self.structured_outputs is not None or self.has_penalties
-
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg, param):
             raise InvalidSamplingParamsError(msg, param)
