@@ -10,9 +10,11 @@ request_id, error)`, `("outputs", [RequestOutput])`, `("failed", [request_id], r
 `("stopped",)`. A large step's outputs go earlier, with the stats, in a list of their
 own (`_send_outputs`). `AsyncEngine` turns the events into its callers' streams.
 
-A structured output grammar not compiled before is compiled on a thread of the loop's
-while the loop steps the other requests; its request joins the engine when it is ready
-(a large schema takes tens of milliseconds, every running stream's tokens would wait).
+A structured output grammar not compiled before is compiled on a thread beside the loop
+while the loop steps the other requests, and its request joins the engine when it is
+ready: a large schema takes from tens to hundreds of milliseconds (a 200-property one:
+35 ms against the embedded model's 512 tokens, 284 ms against 128k on the H100 host),
+which every running stream would otherwise wait out.
 """
 
 import logging
