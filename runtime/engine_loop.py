@@ -95,7 +95,7 @@ class EngineLoop:
                 elif self._busy_at and time.monotonic() - self._busy_at > IDLE_CACHE_RELEASE_S:
                     mx.clear_cache()
                     self._busy_at = 0.0
-                events.append(("stats", engine.stats()))
+                events.append(("stats", self._stats()))
                 if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
                     events.append(("hashes", engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)))
                     self._hashes_at = time.monotonic()
@@ -158,6 +158,14 @@ class EngineLoop:
                 continue
             self.pacer.add(request_id, *pace)
 
+    def _stats(self) -> dict:
+        """The engine's stats, with the requests whose grammars are compiling counted as
+        waiting: they are, for routing and for the queue metrics."""
+        stats = self.engine.stats()
+        if self._compiling:
+            stats["waiting"] += len(self._compiling)
+        return stats
+
     def _send_outputs(self, outputs: list, emit: Emit) -> None:
         """A large step's outputs, as soon as the engine's worker thread has processed
         them, while the main thread queues the next step: paced, then emitted with the
@@ -167,7 +175,7 @@ class EngineLoop:
         the turn's other events: one message a turn.)"""
         outputs = self._release(outputs)
         if outputs:
-            emit([("outputs", outputs), ("stats", self.engine.stats())])
+            emit([("outputs", outputs), ("stats", self._stats())])
 
     def _release(self, outputs: list) -> list:
         """A step's outputs, paced: the ones to send now. Outputs prove the engine works."""
