@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.models.loader import load_tokenizer
-from runtime.structured_output import grammar_checked, reasoning_state
+from runtime.structured_output import grammar_checked, reasoning_state, think_markers
 
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
@@ -144,16 +144,17 @@ class OpenAIIngress:
         if body.model != self.model_name:
             raise HTTPError(404, f"the model {body.model!r} does not exist; this server serves "
                                  f"{self.model_name!r}", param="model", code="model_not_found")
-        constraint = body.constraint() if hasattr(body, "constraint") else None
-        if constraint is not None:
-            await self._check_constraint(constraint)
+        await self._check_constraint(body)
         return body
 
-    async def _check_constraint(self, constraint) -> None:
-        """400 for a structured output grammar llguidance rejects. A grammar not checked
-        before is checked on a tokenizer thread: a large schema takes tens of
-        milliseconds, during which llguidance releases the GIL and this loop serves
+    async def _check_constraint(self, body) -> None:
+        """400 for a body whose structured output grammar llguidance rejects. A grammar
+        not checked before is checked on a tokenizer thread: a large schema takes tens
+        of milliseconds, during which llguidance releases the GIL and this loop serves
         other requests."""
+        constraint = body.constraint() if hasattr(body, "constraint") else None
+        if constraint is None:
+            return
         if grammar_checked(constraint.spec):
             constraint.validate()
         else:
@@ -450,14 +451,12 @@ class OpenAIIngress:
             chat = ChatCompletionRequest.model_validate(body.chat_body())
         except ValidationError as e:
             raise _validation_error(e, _RESPONSES_PARAMS) from None
-        constraint = chat.constraint()
-        if constraint is not None:
-            await self._check_constraint(constraint)
+        await self._check_constraint(chat)
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, None)
         parser = parser or (lambda: ChoiceParser())
         envelope = ResponseBody(body, self.model_name)
-        end = self.tokenizer.think_end_tokens if self.tokenizer.has_thinking else None
-        end = end[0] if end and len(end) == 1 else None
+        markers = think_markers(self.tokenizer)
+        end = markers[1] if markers else None
         if body.stream:
             return _sse(self._response_events(envelope, parser(), first, gen, t0, end),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
@@ -467,12 +466,13 @@ class OpenAIIngress:
         message, reason = parser().message(o.text, o.finish_reason)
         items = output_items(message, reason)
         status = "incomplete" if reason == "length" else "completed"
-        return JSONResponse(envelope.body(status, items, self._response_usage(out, end, message)),
+        usage = self._response_usage(out, end, bool(message.get("reasoning")))
+        return JSONResponse(envelope.body(status, items, usage),
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    def _response_usage(self, out, end_marker: int | None, message: dict) -> dict:
+    def _response_usage(self, out, end_marker: int | None, reasoned: bool) -> dict:
         u = _Usage().add(out)
-        thought = reasoning_tokens(out.outputs[0].token_ids, end_marker, bool(message.get("reasoning")))
+        thought = reasoning_tokens(out.outputs[0].token_ids, end_marker, reasoned)
         return response_usage(u.prompt, u.completion, u.cached, thought)
 
     async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None):
@@ -491,7 +491,7 @@ class OpenAIIngress:
                     yield ev
         self._finish(timer, last)
         o = last.outputs[0]
-        for ev in stream.closing(o.finish_reason, self._response_usage(last, end_marker, {"reasoning": reasoned})):
+        for ev in stream.closing(o.finish_reason, self._response_usage(last, end_marker, reasoned)):
             yield ev
 
     def _choice_parser(self, ids: list[int], body, mode: str | None):

@@ -345,19 +345,24 @@ class _ChatTemplate(_Strict):
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
-class ChatCompletionRequest(_Sampling, _ChatTemplate):
-    messages: list[ChatMessage] = Field(min_length=1)
-    # OpenAI's: the template gets it as the variable `reasoning_effort` (gpt-oss's
-    # template reads it; templates that do not are unchanged).
-    reasoning_effort: Effort | None = None
-    # OpenAI's bookkeeping fields, which change nothing a model generates: accepted and
-    # left unused, so clients that always send them work. Text is the only modality.
+class Bookkeeping(_Strict):
+    """OpenAI's bookkeeping fields of chat and Responses requests, which change nothing a
+    model generates: accepted and left unused, so clients that always send them work.
+    Nothing is stored, whatever `store` says."""
+
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    modalities: list[Literal["text"]] | None = None
+
+
+class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's: the template gets it as the variable `reasoning_effort` (gpt-oss's
+    # template reads it; templates that do not are unchanged).
+    reasoning_effort: Effort | None = None
+    modalities: list[Literal["text"]] | None = None   # text is the only one
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

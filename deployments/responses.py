@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 from pydantic import ConfigDict, Field, model_validator
 
-from .protocol import Effort, _Strict
+from .protocol import Bookkeeping, Effort, _Strict
 
 
 class _Item(_Strict):
@@ -133,7 +133,7 @@ class ReasoningConfig(_Strict):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Bookkeeping):
     model: str
     input: Union[str, list[InputItem]]
     instructions: str | None = None
@@ -146,13 +146,7 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    # Bookkeeping that changes nothing generated: accepted. Nothing is stored.
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
     user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    service_tier: str | None = None
     truncation: Literal["disabled"] | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None
     previous_response_id: str | None = None
