@@ -143,7 +143,8 @@ def compile_stall(args) -> dict:
     systems = {"on a thread": 2, "on the loop": 0}
     runs = {name: [] for name in systems}
     try:
-        asyncio.run(stall_run(engine, _Args(args, stall_seconds=2.0), vocab, tags))   # warm-up
+        warm_up = argparse.Namespace(**{**vars(args), "stall_seconds": 2.0})
+        asyncio.run(stall_run(engine, warm_up, vocab, tags))
         for r in range(args.rounds):
             for name in (list(systems) if r % 2 == 0 else list(reversed(systems))):
                 engine_loop.GRAMMAR_THREADS = systems[name]
@@ -172,13 +173,6 @@ def compile_stall(args) -> dict:
               f"{row['gap_p50_s'] * 1e3:>11.1f} {row['gap_p99_s'] * 1e3:>11.1f} {row['gap_max_s'] * 1e3:>11.1f} "
               f"{row['schema_ttft_p50_s'] * 1e3:>19.1f}")
     return {"compile_ms": compile_s * 1e3, "rows": rows}
-
-
-class _Args:
-    """`args` with some fields replaced."""
-
-    def __init__(self, args, **over):
-        self.__dict__.update(vars(args), **over)
 
 
 def main(argv=None):
