@@ -35,6 +35,8 @@ class _ReplicaStats:
         "device_memory_cache_bytes": ("device_memory_cache_bytes",
                                       "Freed MLX buffers the engines keep for reuse (given back when idle)."),
         "device_memory_peak_bytes": ("device_memory_peak_bytes", "Most MLX memory the engines held at once."),
+        "device_memory_cache_limit_bytes": ("device_memory_cache_limit_bytes",
+                                            "The bound on freed MLX buffers the engines keep."),
     }
     COUNTERS = {
         "prefix_cache_queries": ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),

@@ -21,6 +21,9 @@ class EngineConfig:
     default device for the engine's process, e.g. to run replicas on a host's cores.
     `adapter_path`: a directory of LoRA (or DoRA) adapters that mlx-lm's fine-tuning
     wrote (`adapters.safetensors`, `adapter_config.json`), applied as mlx-lm applies them.
+    `buffer_cache_bytes` bounds the freed device buffers MLX keeps for reuse (its cache
+    limit, one per process); None bounds it by the KV pool (engine.py,
+    `bound_buffer_cache`).
     """
 
     model: str = str(default_model_path())
@@ -43,6 +46,7 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     device: str | None = None
+    buffer_cache_bytes: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -58,5 +62,7 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks must be at least 1")
         if self.device not in (None, "cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.buffer_cache_bytes is not None and self.buffer_cache_bytes < 0:
+            raise ValueError("buffer_cache_bytes must be at least 0")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")

@@ -47,6 +47,28 @@ OVERLAP_MIN_SEQS = 32
 # takes milliseconds; one that stalls the loop (a kernel compiled or an attention plan
 # built on first use, a swap) holds up every request waiting for its turn.
 STEP_TIME_BOUNDS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+# MLX keeps freed device buffers for reuse up to its cache limit, which on Metal and
+# CUDA is its whole memory limit. Steps of ever-changing shapes leave buffers of every
+# size behind: at 256 sequences on the H200 the cache grew to 46 GiB beside a 16 GiB KV
+# pool, memory that a second engine on the card, or a Mac's other processes, then lack.
+# By default an engine bounds it by a share of its KV pool, never raising MLX's own.
+BUFFER_CACHE_POOL_SHARE = 0.25
+MIN_BUFFER_CACHE_BYTES = 1 << 30
+
+
+def bound_buffer_cache(limit: int | None, pool_bytes: int) -> int:
+    """Set MLX's cache limit (process-wide) to `limit`, or with None to the larger of
+    `MIN_BUFFER_CACHE_BYTES` and `BUFFER_CACHE_POOL_SHARE` of the KV pool, if that is
+    below MLX's own; returns the limit in force."""
+    if limit is None:
+        limit = max(MIN_BUFFER_CACHE_BYTES, int(pool_bytes * BUFFER_CACHE_POOL_SHARE))
+        previous = mx.set_cache_limit(limit)
+        if previous < limit:
+            mx.set_cache_limit(previous)
+            return previous
+        return limit
+    mx.set_cache_limit(limit)
+    return limit
 
 
 @dataclass
@@ -105,6 +127,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
                                   config.attention_backend, config.compile_decode)
         self.runner.verify()
+        self.buffer_cache_limit = bound_buffer_cache(config.buffer_cache_bytes, self.runner.pool.nbytes)
         if self.runner.decode_graph is not None:
             t = time.perf_counter()
             n = self.runner.decode_graph.warm_up(config.max_num_seqs, -(-self.max_model_len // config.block_size))
@@ -499,4 +522,5 @@ class LLMEngine:
             "device_memory_active_bytes": mx.get_active_memory(),
             "device_memory_cache_bytes": mx.get_cache_memory(),
             "device_memory_peak_bytes": mx.get_peak_memory(),
+            "device_memory_cache_limit_bytes": self.buffer_cache_limit,
         }

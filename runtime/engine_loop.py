@@ -36,9 +36,9 @@ HASH_SNAPSHOT_LIMIT = 8192
 # with no tokens delivered between them mean the engine cannot work: the loop stops.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # Idle this long, the loop gives MLX's buffer cache back. Freed step buffers stay cached
-# for reuse, and at hundreds of sequences they grow to several times the KV pool (46 GiB
-# beside a 16 GiB pool on the H200), memory a Mac's other processes share. Not at once:
-# at one request at a time, every request would pay the allocations again.
+# for reuse, up to the engine's bound (`bound_buffer_cache`: gigabytes at hundreds of
+# sequences), memory a Mac's other processes share. Not at once: at one request at a
+# time, every request would pay the allocations again.
 IDLE_CACHE_RELEASE_S = 2.0
 GRAMMAR_THREADS = 2      # 0: compile on the loop itself (the A/B of bench/structured_output.py)
 COMPILE_POLL_S = 0.005   # an idle loop waiting for a grammar still takes commands this often

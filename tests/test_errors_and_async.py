@@ -103,6 +103,37 @@ def test_engine_device_choice(default_model, engine):
         assert out.outputs[0].token_ids == engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
 
 
+def test_engine_bounds_mlx_buffer_cache(default_model):
+    """The engine bounds the freed buffers MLX keeps (process-wide): by default to a
+    share of its KV pool, never above MLX's own limit; `buffer_cache_bytes` sets it."""
+    with pytest.raises(ValueError, match="buffer_cache_bytes"):
+        EngineConfig(buffer_cache_bytes=-1)
+    mlx_own = mx.set_cache_limit(0)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    try:
+        mx.set_cache_limit(64 << 30)
+        eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
+        want = max(1 << 30, eng.runner.pool.nbytes // 4)
+        assert eng.buffer_cache_limit == want == mx.set_cache_limit(want)
+        assert eng.stats()["device_memory_cache_limit_bytes"] == want
+        eng.generate([[5, 6, 7]], params)
+        assert mx.get_cache_memory() > 0        # freed step buffers kept for reuse
+        eng.close()
+
+        mx.set_cache_limit(32 << 20)             # below the bound: MLX's own stays
+        eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64))
+        assert eng.buffer_cache_limit == 32 << 20 == mx.set_cache_limit(32 << 20)
+        eng.close()
+
+        eng = LLMEngine(EngineConfig(model=default_model, num_gpu_blocks=64, buffer_cache_bytes=0))
+        assert eng.buffer_cache_limit == 0
+        eng.generate([[5, 6, 7]], params)
+        assert mx.get_cache_memory() == 0       # nothing kept past the bound
+        eng.close()
+    finally:
+        mx.set_cache_limit(mlx_own)
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["loop-on-thread", "loop-in-process"])
 def async_engine(default_model, request):
     eng = AsyncEngine(EngineConfig(model=default_model, num_gpu_blocks=128), process=request.param)
