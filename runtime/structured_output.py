@@ -242,7 +242,7 @@ class GrammarCompiler:
         if m is None:
             m = LLMatcher(self.tokenizer, params.spec, log_level=0)
             if m.is_error():
-                params.error_if(m.get_error())
+                params.error_if(m.get_error() or "it could not be compiled")
             self._compiled.put(params.spec, m)
         return Grammar(m.deep_copy(), self.words, think, state)
 
