@@ -33,7 +33,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from .chat_output import ChoiceParser
 from .reasoning import ReasoningSplit
-from .responses import ResponseBody, ResponseEvents, ResponsesRequest, output_items, reasoning_tokens
+from .responses import ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, output_items, reasoning_tokens
 from .responses import usage as response_usage
 from .tools import ToolOutput
 
@@ -452,19 +452,28 @@ class OpenAIIngress:
         except ValidationError as e:
             raise _validation_error(e, _RESPONSES_PARAMS) from None
         await self._check_constraint(chat)
-        ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, None)
+        markers = think_markers(self.tokenizer)
+        if body.wants_logprobs and self.tokenizer.has_thinking and markers is None:
+            raise HTTPError(400, "this model's think markers are not single tokens, so its answer's tokens "
+                                 "cannot be told from its reasoning's: output_text logprobs are not available",
+                            param="include")
+        ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k())
         parser = parser or (lambda: ChoiceParser())
         envelope = ResponseBody(body, self.model_name)
-        markers = think_markers(self.tokenizer)
         end = markers[1] if markers else None
+        text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
         if body.stream:
-            return _sse(self._response_events(envelope, parser(), first, gen, t0, end),
+            return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)), named=True)
         out = await self._drain(first, gen, t0)
         o = out.outputs[0]
         message, reason = parser().message(o.text, o.finish_reason)
-        items = output_items(message, reason)
+        logprobs = None
+        if text_lps is not None:
+            text_lps.add(self._token_logprobs(o.token_ids, o.logprobs))
+            logprobs = text_lps.release(message.get("content") or "") + text_lps.rest(bool(message.get("tool_calls")))
+        items = output_items(message, reason, logprobs)
         status = "incomplete" if reason == "length" else "completed"
         usage = self._response_usage(out, end, bool(message.get("reasoning")))
         return JSONResponse(envelope.body(status, items, usage),
@@ -475,24 +484,35 @@ class OpenAIIngress:
         thought = reasoning_tokens(out.outputs[0].token_ids, end_marker, reasoned)
         return response_usage(u.prompt, u.completion, u.cached, thought)
 
-    async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None):
+    async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None,
+                               text_lps: TextLogprobs | None = None):
         timer, stream = RequestTimer(self.metrics, t0), ResponseEvents(envelope)
         for ev in stream.opening():
             yield ev
-        last, reasoned = None, False
+        last, reasoned, called = None, False, False
         async for out in self._chain(first, gen):
             last = out
             timer.output(out)
             o = out.outputs[0]
+            if text_lps is not None:
+                text_lps.add(self._token_logprobs(o.delta_token_ids, o.delta_logprobs))
             if o.delta_text or o.finish_reason:
                 delta, _ = parser.feed(o.delta_text, o.finish_reason)
                 reasoned = reasoned or bool(delta.get("reasoning"))
-                for ev in stream.feed(delta):
+                called = called or bool(delta.get("tool_calls"))
+                lps = text_lps.release(delta["content"]) if text_lps and delta.get("content") else None
+                for ev in stream.feed(delta, lps):
                     yield ev
         self._finish(timer, last)
         o = last.outputs[0]
-        for ev in stream.closing(o.finish_reason, self._response_usage(last, end_marker, reasoned)):
+        tail = text_lps.rest(called) if text_lps else None
+        for ev in stream.closing(o.finish_reason, self._response_usage(last, end_marker, reasoned), tail):
             yield ev
+
+    def _token_logprobs(self, token_ids: list[int], lps) -> list[tuple[int, str, dict]]:
+        """Each token with its text and its chat-style logprob entry."""
+        entries = self._chat_logprobs(lps)["content"] if lps else []
+        return [(t, self._piece(t), e) for t, e in zip(token_ids, entries)]
 
     def _choice_parser(self, ids: list[int], body, mode: str | None):
         """What makes a `ChoiceParser` per choice, where reasoning or tool calls are split

@@ -16,6 +16,8 @@ from pydantic import ConfigDict, Field, model_validator
 
 from .protocol import Bookkeeping, Effort, _Strict
 
+TEXT_LOGPROBS = "message.output_text.logprobs"
+
 
 class _Item(_Strict):
     id: str | None = None
@@ -148,7 +150,8 @@ class ResponsesRequest(Bookkeeping):
     reasoning: ReasoningConfig | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     previous_response_id: str | None = None
 
     @model_validator(mode="after")
@@ -159,6 +162,12 @@ class ResponsesRequest(Bookkeeping):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
         return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether output_text carries logprobs: only when `include` asks, as OpenAI's
+        API answers (`top_logprobs` alone gives none)."""
+        return TEXT_LOGPROBS in (self.include or ())
 
     def chat_body(self) -> dict:
         """The same request as a chat completion's body (`ChatCompletionRequest`)."""
@@ -183,6 +192,8 @@ class ResponsesRequest(Bookkeeping):
             body["user"] = self.user
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
+        if self.wants_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         return body
 
     def messages(self) -> list[dict]:
@@ -265,15 +276,16 @@ class ResponseBody:
                 "usage": usage_, **self.settings}
 
 
-def output_items(message: dict, finish_reason: str | None) -> list[dict]:
+def output_items(message: dict, finish_reason: str | None, logprobs: list[dict] | None = None) -> list[dict]:
     """A finished chat message (`ChoiceParser.message`) as output items: its reasoning,
-    its text (also when empty, unless it made calls) and its function calls."""
+    its text (also when empty, unless it made calls; with `logprobs`, its text's) and
+    its function calls."""
     items, status = [], "incomplete" if finish_reason == "length" else "completed"
     if message.get("reasoning"):
         items.append(_reasoning_item(_id("rs"), message["reasoning"], "completed"))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append(_message_item(_id("msg"), message.get("content") or "", status))
+    if message.get("content") or logprobs or not calls:
+        items.append(_message_item(_id("msg"), message.get("content") or "", status, logprobs))
     for c in calls:
         items.append(_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
     return items
@@ -284,13 +296,57 @@ def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [_text_part(text)]
+def _message_item(item_id: str, text: str | None, status: str, logprobs: list[dict] | None = None) -> dict:
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
+
+
+class TextLogprobs:
+    """Which generated tokens wrote a response's output text, for its logprobs: not the
+    reasoning (told by the model's one-token think markers, as the grammar tells it,
+    `runtime.structured_output.think_markers`), nor the markers, nor a tool call's
+    markup after the text. A text token's entry goes out once the content handed out
+    covers its text, so a stream's deltas carry the entries of their own text, and
+    what a tool call's parse keeps out of the content keeps its tokens out too."""
+
+    def __init__(self, think: tuple[int, int] | None, state: str):
+        """`think`: the start and end marker ids; `state`: `reasoning_state` of the prompt."""
+        self.start, self.end = think or (None, None)
+        self.state = "thinking" if state == "thinking" else "before"
+        self.pending: list[tuple[int, dict]] = []   # text tokens not yet covered: (text length, entry)
+        self.room = 0                                # content handed out past the entries released
+
+    def add(self, tokens: list[tuple[int, str, dict]]) -> None:
+        """New tokens, each as (id, text, logprob entry)."""
+        for t, piece, entry in tokens:
+            if self.state == "thinking":
+                if t == self.end:
+                    self.state = "after"
+            elif self.state == "before" and t == self.start:
+                self.state = "thinking"
+            else:
+                self.pending.append((len(piece), entry))
+
+    def release(self, content: str) -> list[dict]:
+        """The entries of the text tokens that content handed out so far covers."""
+        self.room += len(content)
+        out = []
+        while self.pending and self.pending[0][0] <= self.room:
+            n, entry = self.pending.pop(0)
+            self.room -= n
+            out.append(entry)
+        return out
+
+    def rest(self, called: bool) -> list[dict]:
+        """At the end: the entries still held (an end-of-sequence token's, say), unless a
+        tool call followed the text, whose markup they are."""
+        out = [] if called else [entry for _, entry in self.pending]
+        self.pending = []
+        return out
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -320,18 +376,21 @@ class ResponseEvents:
         body = self.envelope.body("in_progress", [])
         return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
 
-    def feed(self, delta: dict) -> list[dict]:
+    def feed(self, delta: dict, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: the entries of this delta's content (`TextLogprobs.release`)."""
         events = []
         if delta.get("reasoning"):
             events += self._text("reasoning", delta["reasoning"])
         if delta.get("content"):
-            events += self._text("message", delta["content"])
+            events += self._text("message", delta["content"], logprobs)
         for call in delta.get("tool_calls") or []:
             events += self._call(call)
         return events
 
-    def closing(self, finish_reason: str | None, usage_: dict) -> list[dict]:
-        events = self._close(finish_reason)
+    def closing(self, finish_reason: str | None, usage_: dict, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: text entries left at the end (`TextLogprobs.rest`), on the message."""
+        events = self._text("message", "", logprobs) if logprobs else []
+        events += self._close(finish_reason)
         if not any(i["type"] != "reasoning" for i in self.items):   # no text: an empty message, as whole
             events += self._text("message", "") + self._close(finish_reason)
         status = "incomplete" if finish_reason == "length" else "completed"
@@ -341,12 +400,12 @@ class ResponseEvents:
     def _index(self) -> int:
         return len(self.items)
 
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list[dict] | None = None) -> list[dict]:
         events = []
         if self.open is None or self.open["kind"] != kind:
             events += self._close(None)
             item_id = _id("rs" if kind == "reasoning" else "msg")
-            self.open = {"kind": kind, "id": item_id, "text": ""}
+            self.open = {"kind": kind, "id": item_id, "text": "", "logprobs": []}
             if kind == "reasoning":
                 events.append(self._event("response.output_item.added", output_index=self._index(),
                                           item=_reasoning_item(item_id, None, "in_progress")))
@@ -359,11 +418,12 @@ class ResponseEvents:
                 events.append(self._event("response.content_part.added", item_id=item_id,
                                           output_index=self._index(), content_index=0, part=_text_part("")))
         self.open["text"] += text
+        self.open["logprobs"] += logprobs or []
         where = {"item_id": self.open["id"], "output_index": self._index(), "content_index": 0}
         if kind == "reasoning" and text:
             events.append(self._event("response.reasoning_text.delta", **where, delta=text))
-        elif text:
-            events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))
+        elif kind == "message" and (text or logprobs):
+            events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=list(logprobs or [])))
         return events
 
     def _call(self, call: dict) -> list[dict]:
@@ -397,9 +457,9 @@ class ResponseEvents:
                                       part=done["content"][0]))
         elif item["kind"] == "message":
             status = "incomplete" if finish_reason == "length" else "completed"
-            done = _message_item(item["id"], item["text"], status)
+            done = _message_item(item["id"], item["text"], status, item["logprobs"])
             events.append(self._event("response.output_text.done", **where, content_index=0, text=item["text"],
-                                      logprobs=[]))
+                                      logprobs=list(item["logprobs"])))
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=done["content"][0]))
         else:

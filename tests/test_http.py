@@ -895,6 +895,39 @@ def test_responses_answers_as_chat_does(client):
     assert last.usage.output_tokens == r.usage.output_tokens and last.status == r.status
 
 
+def test_responses_logprobs_are_the_chat_completions(server, client):
+    """With `include: ["message.output_text.logprobs"]`, output_text carries the logprobs
+    the chat completion of the same request gives, with `top_logprobs` alternatives,
+    whole and in the stream's deltas; without it none, as OpenAI's API answers. On the
+    thinking model the tokens spell the text (which of them are reasoning:
+    test_responses.py)."""
+    def triples(lps):
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in lps]
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+                                          temperature=0, max_completion_tokens=8, logprobs=True, top_logprobs=2)
+    want = triples(chat.choices[0].logprobs.content)
+    assert len(want) == 8 and all(len(top) == 2 for _, _, top in want)
+    kw = dict(model=MODEL, input="Hello there", temperature=0, max_output_tokens=8)
+    r = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+    assert triples(r.output[0].content[0].logprobs) == want
+    events = list(client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2,
+                                          stream=True))
+    assert triples(lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs) == want
+    assert triples(events[-1].response.output[0].content[0].logprobs) == want
+    assert client.responses.create(**kw, top_logprobs=2).output[0].content[0].logprobs == []
+
+    thinking = openai.OpenAI(base_url=server.urls["formats"] + "/v1", api_key="unused", max_retries=0)
+    for stream in (False, True):
+        r = thinking.responses.create(model=MODEL, input="Weather?", temperature=0, max_output_tokens=40,
+                                      include=["message.output_text.logprobs"], stream=stream)
+        if stream:
+            r = list(r)[-1].response
+        [message] = [i for i in r.output if i.type == "message"]
+        text = "".join(t.token for t in message.content[0].logprobs)
+        assert text.startswith(r.output_text) and "</think>" not in text, (r.output, text)
+
+
 def test_responses_structured_output_and_conversation_items(client):
     """`text.format` holds the text to a schema (the client's `responses.parse`), and a
     conversation handed back as items, the assistant's message among them, is the chat

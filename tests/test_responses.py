@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from deployments.chat_output import ChoiceParser
 from deployments.reasoning import ReasoningSplit
-from deployments.responses import ResponseBody, ResponseEvents, ResponsesRequest, output_items, reasoning_tokens
+from deployments.responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, output_items,
+                                  reasoning_tokens)
 from deployments.tools import ToolOutput
 
 TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -67,9 +68,9 @@ def test_tools_choice_and_format_become_the_chat_fields():
     {"tools": [{"type": "web_search"}]},
     {"text": {"format": {"type": "json_schema", "name": "x"}}},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-    {"include": ["message.output_text.logprobs"]},
+    {"include": ["file_search_call.results"]},
     {"temperature": 3},
-    {"top_logprobs": 2},
+    {"top_logprobs": 21},
 ])
 def test_what_cannot_be_served_is_refused(bad):
     with pytest.raises(ValidationError):
@@ -160,3 +161,88 @@ def test_auto_calls_in_the_models_own_format_stream_as_whole_items(format_model)
             events += stream.feed(p.feed(chunk, finish)[0])
         events += stream.closing("stop", {})
         assert _without_ids(events[-1]["response"]["output"]) == _without_ids(whole)
+
+
+THINK, UNTHINK, EOS = 1, 2, 3
+
+
+def _tokens(pieces: list[str]) -> list[tuple[int, str, dict]]:
+    """Tokens of these texts, the think markers and an end token by their own ids, each
+    with an entry naming its position; the engine's text leaves the end token out."""
+    ids = {"<think>": THINK, "</think>": UNTHINK, "<eos>": EOS}
+    return [(ids.get(p, 10 + i), p, {"token": p, "at": i}) for i, p in enumerate(pieces)]
+
+
+def _text_of(tokens) -> str:
+    return "".join(p for t, p, _ in tokens if t != EOS)
+
+
+def _stream_with_logprobs(parser, tokens, state, cuts, finish):
+    """A response streamed in chunks of tokens cut at `cuts`, with output_text logprobs."""
+    lps, stream = TextLogprobs((THINK, UNTHINK), state), ResponseEvents(ResponseBody(_request(), "m"))
+    events, called = stream.opening(), False
+    bounds = [0, *cuts, len(tokens)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        lps.add(tokens[a:b])
+        delta, _ = parser.feed(_text_of(tokens[a:b]), finish if b == len(tokens) else None)
+        called = called or bool(delta.get("tool_calls"))
+        events += stream.feed(delta, lps.release(delta["content"]) if delta.get("content") else None)
+    return events + stream.closing(finish, {}, lps.rest(called))
+
+
+@pytest.mark.parametrize("pieces, opened, want", [
+    (["Hel", "lo", " there", "<eos>"], False, ["Hel", "lo", " there", "<eos>"]),
+    (["<think>", "plan", " it", "</think>", "Hel", "lo"], False, ["Hel", "lo"]),
+    (["<think>", "a", "</think>", "Hi", "<eos>"], False, ["Hi", "<eos>"]),
+    (["plan", "</think>", "Hi", "<think>", "!"], True, ["Hi", "<think>", "!"]),
+    (["still", " thinking", "<eos>"], True, []),
+])
+def test_output_text_logprobs_are_the_texts_own_tokens(pieces, opened, want):
+    """output_text's logprobs are the answer's tokens, whole and however the stream is
+    cut: never the reasoning or its markers (a start marker after the reasoning is
+    text, as the split reads it), and the deltas' entries add up to the item's."""
+    tokens = _tokens(pieces)
+    message, reason = _parser(opened=opened).message(_text_of(tokens), "stop")
+    lps = TextLogprobs((THINK, UNTHINK), "thinking" if opened else "may_think")
+    lps.add(tokens)
+    whole = lps.release(message.get("content") or "") + lps.rest(False)
+    assert [e["token"] for e in whole] == want
+    [item] = [i for i in output_items(message, reason, whole) if i["type"] == "message"]
+    assert item["content"][0]["logprobs"] == whole
+    for seed in range(6):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(tokens)), rng.randint(0, len(tokens) - 1)))
+        events = _stream_with_logprobs(_parser(opened=opened), tokens, "thinking" if opened else "may_think",
+                                       cuts, "stop")
+        [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"
+                  and e["item"]["type"] == "message"]
+        assert done["content"][0]["logprobs"] == whole
+        deltas = [x for e in events if e["type"] == "response.output_text.delta" for x in e["logprobs"]]
+        assert deltas == whole
+        assert events[-1]["response"]["output"][-1]["content"][0]["logprobs"] == whole
+
+
+def test_output_text_logprobs_leave_out_a_calls_markup(format_model):
+    """"auto": the tokens of a call the model writes in its own format, after its text,
+    are not the text's: its logprobs stop where the content does."""
+    from mlx_lm.utils import load_tokenizer
+    from pathlib import Path
+
+    tok = load_tokenizer(Path(format_model))
+    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    pieces = ["Check", "ing", "."] + [text[i:i + 3] for i in range(len("Checking."), len(text), 3)]
+    tokens = _tokens(pieces)
+
+    def parser():
+        return ChoiceParser(ReasoningSplit(tok.think_start, tok.think_end, False), ToolOutput("auto", tok, [TOOL]))
+
+    message, reason = parser().message(_text_of(tokens), "stop")
+    lps = TextLogprobs((THINK, UNTHINK), "may_think")
+    lps.add(tokens)
+    whole = lps.release(message["content"]) + lps.rest(bool(message.get("tool_calls")))
+    assert [e["token"] for e in whole] == ["Check", "ing", "."] and message["content"] == "Checking."
+    for cut in range(1, len(tokens)):
+        events = _stream_with_logprobs(parser(), tokens, "may_think", [cut], "stop")
+        [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"
+                  and e["item"]["type"] == "message"]
+        assert done["content"][0]["logprobs"] == whole, cut
