@@ -8,6 +8,7 @@ distribution (before the mask), compared within the tolerance of test_correctnes
 
 import json
 import random
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -345,6 +346,12 @@ def test_a_grammar_that_fails_to_compile_off_the_loop_is_a_typed_error(model_dir
         return out
 
     try:
+        # The vocabulary's grammar index is built beside the loop once it is ready, not
+        # by the first structured request.
+        deadline = time.monotonic() + 30
+        while not eng.stats().get("grammar_index_built") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.stats()["grammar_index_built"]
         with pytest.raises(InvalidRequestError, match="grammar") as e:
             asyncio.run(run(SO(grammar="start: undefined_rule", param="response_format")))
         assert e.value.param == "response_format"
