@@ -10,6 +10,7 @@ as with `store: false`; `previous_response_id` is refused with a 400 that says s
 
 import time
 import uuid
+from collections import deque
 from typing import Literal, Union
 
 from pydantic import ConfigDict, Field, model_validator
@@ -317,7 +318,7 @@ class TextLogprobs:
         """`think`: the start and end marker ids; `state`: `reasoning_state` of the prompt."""
         self.start, self.end = think or (None, None)
         self.state = "thinking" if state == "thinking" else "before"
-        self.pending: list[tuple[int, dict]] = []   # text tokens not yet covered: (text length, entry)
+        self.pending: deque[tuple[int, dict]] = deque()   # text tokens not yet covered: (length, entry)
         self.room = 0                                # content handed out past the entries released
 
     def add(self, tokens: list[tuple[int, str, dict]]) -> None:
@@ -336,7 +337,7 @@ class TextLogprobs:
         self.room += len(content)
         out = []
         while self.pending and self.pending[0][0] <= self.room:
-            n, entry = self.pending.pop(0)
+            n, entry = self.pending.popleft()
             self.room -= n
             out.append(entry)
         return out
@@ -345,7 +346,7 @@ class TextLogprobs:
         """At the end: the entries still held (an end-of-sequence token's, say), unless a
         tool call followed the text, whose markup they are."""
         out = [] if called else [entry for _, entry in self.pending]
-        self.pending = []
+        self.pending.clear()
         return out
 
 

@@ -49,8 +49,9 @@ OVERLAP_MIN_SEQS = 32
 STEP_TIME_BOUNDS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 # MLX keeps freed device buffers for reuse up to its cache limit, which on Metal and
 # CUDA is its whole memory limit. Steps of ever-changing shapes leave buffers of every
-# size behind: at 256 sequences on the H200 the cache grew to 46 GiB beside a 16 GiB KV
-# pool, memory that a second engine on the card, or a Mac's other processes, then lack.
+# size behind: at 256 sequences on an H100 the cache grew to 57 GiB beside a 16 GiB KV
+# pool, MLX's whole limit held (bench/results/buffer_cache_gpu_h100.json), memory that a
+# second engine on the card, or a Mac's other processes, then lack.
 # By default an engine bounds it by a share of its KV pool, never raising MLX's own.
 BUFFER_CACHE_POOL_SHARE = 0.25
 MIN_BUFFER_CACHE_BYTES = 1 << 30
