@@ -143,6 +143,11 @@ class LLMEngine:
         # Where the outputs of a step processed on the worker thread go as soon as they
         # are ready; None (and for steps processed inline): `step()` returns them.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
+        # Whether a running request's output is wanted after this step (None: always).
+        # A paced stream's output (`OutputPacer`) is not made until it is due: the one
+        # made then carries every token since the last, as `_completion` counts them, so
+        # the hundreds made a second at 256 streams only to be held are never made.
+        self.output_wanted: Callable[[str], bool] | None = None
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
                           "step_failures": 0}
         self._step_counts = [0] * (len(STEP_TIME_BOUNDS_S) + 1)   # the last: slower than all bounds
@@ -399,7 +404,9 @@ class LLMEngine:
             self._append(req, seq, pos, tok.token_id, tok.logprob)
             appended += 1
         self._counters["generation_tokens"] += appended
-        return [self._output(r) for r in touched.values()]
+        wanted = self.output_wanted
+        return [self._output(r) for r in touched.values()
+                if wanted is None or r.metrics.first_token_time is None or r.finished or wanted(r.request_id)]
 
     def _append(self, req: _Request, seq: Sequence, pos: int, token: int, logprob) -> None:
         if logprob is not None:

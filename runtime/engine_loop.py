@@ -81,6 +81,7 @@ class EngineLoop:
         emit([("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                          "stats": engine.stats()})])
         engine.output_sink = lambda outputs: self._send_outputs(outputs, emit)
+        engine.output_wanted = self.pacer.due
         if GRAMMAR_THREADS:
             self._grammars().submit(self._warm_grammars)
         try:

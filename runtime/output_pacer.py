@@ -7,9 +7,12 @@ A served stream gets its first token at once, then at most one chunk per interva
 sent every request's output of every step across to the server: at 128 streams on the
 H200, about 60 steps a second made 7,700 outputs a second for the server process to
 unpickle and merge, where its streams sent about 1,000 chunks. Merged here, the engine
-pickles and the server unpickles only what will be sent.
+pickles and the server unpickles only what will be sent; and since the engine asks `due`
+before it makes a running request's output, one that would be held is not made at all
+(the next one carries its tokens).
 """
 
+import time
 from dataclasses import dataclass
 
 from .outputs import RequestOutput
@@ -31,6 +34,12 @@ class OutputPacer:
         """Pace a request's outputs; with neither an interval nor a cap every one leaves."""
         if interval > 0 or max_chunks_per_s > 0:
             self._paced[request_id] = _Pace(interval, max_chunks_per_s)
+
+    def due(self, request_id: str) -> bool:
+        """Whether a running request's next output would leave now, so that the engine
+        need not make one that would only be held (`LLMEngine.output_wanted`)."""
+        p = self._paced.get(request_id)
+        return p is None or time.monotonic() >= p.due
 
     def drop(self, request_id: str) -> None:
         """Forget a request (aborted or failed): what it held goes nowhere."""

@@ -57,12 +57,16 @@ def test_dropped_and_whole_requests():
     assert len(pacer) == 0
 
 
-def test_engine_loop_sends_only_paced_outputs(default_model):
+def test_engine_loop_sends_only_paced_outputs(default_model, monkeypatch):
     """A 60 s interval: of 30 tokens the loop emits two outputs (the first token, then
-    the other 29 merged with the last), whose deltas are exactly the unpaced tokens."""
+    the other 29 with the last), whose deltas are exactly the unpaced tokens, text and
+    logprobs; and the engine makes only those two, none to be held."""
     cfg = EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128)
-    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     want = LLMEngine(cfg).generate(["The baker"], p)[0].outputs[0]
+    made = []
+    make = LLMEngine._output
+    monkeypatch.setattr(LLMEngine, "_output", lambda self, req: made.append(req.request_id) or make(self, req))
     commands: queue.Queue = queue.Queue()
     emitted: list = []
     done = threading.Event()
@@ -90,6 +94,8 @@ def test_engine_loop_sends_only_paced_outputs(default_model):
     assert [len(o.outputs[0].delta_token_ids) for o in emitted] == [1, 29]
     assert [t for o in emitted for t in o.outputs[0].delta_token_ids] == want.token_ids
     assert "".join(o.outputs[0].delta_text for o in emitted) == want.text
+    assert [lp for o in emitted for lp in o.outputs[0].delta_logprobs] == want.logprobs
+    assert made == ["r", "r"]
     assert len(loop.pacer) == 0
 
 
