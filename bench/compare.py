@@ -170,14 +170,12 @@ def ours(model: str, engine: dict, name: str, extra: dict, front: str = "proxy",
          **app_args):
     from tests.serving import ServeRun
 
-    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, front=front, env=env)
-    _started.add(run.proc.pid)
+    run = ServeRun([our_app_config(model, engine, **app_args)], timeout=900, front=front, env=env, pgids=_started)
     try:
         yield Target(name, lambda: sb.HTTPBackend(run.base, "default", extra), _metrics_sampler(run.base),
                      f"serve run, start-up {run.startup_s:.0f} s")
     finally:
         run.stop()
-        _started.discard(run.proc.pid)
         for proc in ("ServeReplica:", "runtime.engine_process"):
             _wait_gone(proc, 120)   # their device memory must be free before the next system
 

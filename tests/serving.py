@@ -83,16 +83,19 @@ class ServeRun:
     INGRESS_PORTS = 4   # under HAProxy, room for this many replicas answering HTTP
 
     def __init__(self, applications: list[dict], timeout: float = 180.0, front: str = "proxy",
-                 env: dict | None = None):
+                 env: dict | None = None, pgids: set[int] | None = None):
         """`front`: what answers HTTP. "proxy": Serve's proxy, as shipped. "direct": Ray
         Serve's direct ingress (the one ingress replica serves HTTP itself, on the port
         picked here, so requests bypass the proxy Serve still starts). "haproxy": Serve's
         HAProxy mode (HAProxy on the HTTP port, in front of the ingress replicas' own
         ports; no Python proxy on the request path). "grpc": Serve's proxy, calling the
         replicas over gRPC instead of Ray actor calls (`RAY_SERVE_PROXY_USE_GRPC=1`).
-        `env`: more environment for `serve run` and the Ray processes it starts."""
+        `env`: more environment for `serve run` and the Ray processes it starts.
+        `pgids`: a set that holds `serve run`'s process group from its start until it is
+        stopped, for a caller that must kill what is left if its own cleanup hangs."""
         if front not in ("proxy", "direct", "haproxy", "grpc"):
             raise ValueError(f"front: {front!r}")
+        self.pgids = pgids if pgids is not None else set()
         for attempt in range(self.ATTEMPTS):
             try:
                 self._start(applications, timeout, front, env or {})
@@ -126,6 +129,7 @@ class ServeRun:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(["serve", "run", str(self.config)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        self.pgids.add(self.proc.pid)
         self.base = f"http://127.0.0.1:{self.port}"
         self.urls = {a["name"]: self.base + a["route_prefix"].rstrip("/") for a in applications}
         deadline = t0 + timeout
@@ -164,6 +168,7 @@ class ServeRun:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._end_session()
+        self.pgids.discard(self.proc.pid)
         if not self.log.closed:
             self.log.close()
 

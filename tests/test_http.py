@@ -669,8 +669,10 @@ def test_shipped_config_serves_the_default_model():
 
     cfg = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
     assert cfg["http_options"]["host"] == "127.0.0.1"
-    srv = ServeRun(cfg["applications"])
+    held: set[int] = set()    # serve run's process group, while it runs (what compare.py kills if stuck)
+    srv = ServeRun(cfg["applications"], pgids=held)
     try:
+        assert held == {srv.proc.pid}
         print(f"configs/config.yaml ready in {srv.startup_s:.1f}s")
         c = openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello!"}],
@@ -689,6 +691,7 @@ def test_shipped_config_serves_the_default_model():
             assert env["OMP_NUM_THREADS"] == str(os.cpu_count()), env.get("OMP_NUM_THREADS")
     finally:
         srv.stop()
+    assert held == set()
 
 
 def _live_haproxy(state_dir: str) -> list[int]:
