@@ -106,6 +106,7 @@ def main(argv=None) -> None:
                   f"{row['cache_bytes_max'] / 2**30:6.2f} GiB, held max {row['held_bytes_max'] / 2**30:6.2f} GiB",
                   flush=True)
     engine.close()
+    mx.set_cache_limit(mlx_default)
 
     rows = []
     base = float(np.median([x["output_tok_s"] for x in runs if x["limit"] == args.limits_gb[0]]))

@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from bench import kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu, structured_output
+from bench import (buffer_cache, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu,
+                   structured_output)
 from runtime.attention import metadata
 
 
@@ -116,6 +117,22 @@ def test_kv_budget_small_pools_preempt_and_lose_nothing(tmp_path):
         assert r["completed"] == r["requests_matching_roomy"] == 8 and r["blocks_held_after"] == 0
     assert all(r["kv_bytes_pool"] < roomy["kv_bytes_peak"] for r in tight)
     assert (tmp_path / "kv_budget_cpu.png").exists()
+
+
+def test_buffer_cache_runs_every_limit_and_keeps_within_it(tmp_path):
+    import mlx.core as mx
+
+    own = mx.set_cache_limit(1 << 20)
+    mx.set_cache_limit(own)
+    buffer_cache.main(["--streams", "4", "--requests", "8", "--limits-gb", "mlx", "default", "0",
+                       "--rounds", "2", "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "buffer_cache_cpu.json").read_text())
+    assert [r["limit"] for r in out["rows"]] == ["mlx", "default", "0"]
+    assert len(out["runs"]) == 6 and len({r["output_tokens"] for r in out["runs"]}) == 1
+    zero = out["rows"][2]
+    assert zero["cache_limit_bytes"] == zero["cache_bytes_max"] == 0
+    assert out["rows"][0]["cache_limit_bytes"] == out["meta"]["mlx_cache_limit_bytes"] == own
+    assert mx.set_cache_limit(own) == own     # MLX's own limit is back
 
 
 def test_kv_sharing_computes_a_shared_prefix_once(tmp_path):
