@@ -35,22 +35,34 @@ class ChoiceParser:
     def feed(self, delta: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """New text in (with the finish reason once it ends); the chunk's delta fields
         and the finish reason to report."""
-        out, content = {}, delta
-        if self.split is not None:
-            reasoning, content = self.split.feed(delta)
-            if finish_reason is not None:
-                more, more_content = self.split.close()
-                reasoning, content = reasoning + more, content + more_content
-            if reasoning:
-                out["reasoning"] = reasoning
-        if self.tools is not None:
-            content, calls = self.tools.feed(content)
-            if finish_reason is not None:
-                more, more_calls = self.tools.close()
-                content, calls = content + more, calls + more_calls
-                finish_reason = self.tools.finish_reason(finish_reason)
-            if calls:
-                out["tool_calls"] = calls
-        if content:
-            out["content"] = content
+        parts, finish_reason = self.parts(delta, finish_reason)
+        out: dict = {}
+        for kind, value in parts:
+            out[kind] = out.get(kind, [] if kind == "tool_calls" else "") + value
         return out, finish_reason
+
+    def parts(self, delta: str, finish_reason: str | None) -> tuple[list[tuple[str, object]], str | None]:
+        """`feed`, as the pieces in the order written: ("reasoning", text), ("content",
+        text) and ("tool_calls", [call]), so that a client of items (the Responses API)
+        gets them in one order however the text was cut."""
+        split = []
+        if self.split is not None:
+            split = self.split.parts(delta) + (self.split.close_parts() if finish_reason is not None else [])
+        elif delta:
+            split = [("content", delta)]
+        if self.tools is None:
+            return split, finish_reason
+        out: list[tuple[str, object]] = []
+        for kind, text in split:
+            if kind == "content":
+                out += self._tool_parts(*self.tools.feed(text))
+            else:
+                out.append((kind, text))
+        if finish_reason is not None:
+            out += self._tool_parts(*self.tools.close())
+            finish_reason = self.tools.finish_reason(finish_reason)
+        return out, finish_reason
+
+    @staticmethod
+    def _tool_parts(content: str, calls: list[dict]) -> list[tuple[str, object]]:
+        return ([("content", content)] if content else []) + ([("tool_calls", calls)] if calls else [])

@@ -33,7 +33,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from .chat_output import ChoiceParser
 from .reasoning import ReasoningSplit
-from .responses import ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, output_items, reasoning_tokens
+from .responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
+                        whole_response)
 from .responses import usage as response_usage
 from .tools import ToolOutput
 
@@ -468,15 +469,11 @@ class OpenAIIngress:
                                       **engine_timing(first)), named=True)
         out = await self._drain(first, gen, t0)
         o = out.outputs[0]
-        message, reason = parser().message(o.text, o.finish_reason)
-        logprobs = None
+        parts, _ = parser().parts(o.text, o.finish_reason)
         if text_lps is not None:
             text_lps.add(self._token_logprobs(o.token_ids, o.logprobs))
-            logprobs = text_lps.release(message.get("content") or "") + text_lps.rest(bool(message.get("tool_calls")))
-        items = output_items(message, reason, logprobs)
-        status = "incomplete" if reason == "length" else "completed"
-        usage = self._response_usage(out, end, bool(message.get("reasoning")))
-        return JSONResponse(envelope.body(status, items, usage),
+        usage = self._response_usage(out, end, any(kind == "reasoning" for kind, _ in parts))
+        return JSONResponse(whole_response(envelope, parts, o.finish_reason, usage, text_lps),
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
     def _response_usage(self, out, end_marker: int | None, reasoned: bool) -> dict:
@@ -497,11 +494,10 @@ class OpenAIIngress:
             if text_lps is not None:
                 text_lps.add(self._token_logprobs(o.delta_token_ids, o.delta_logprobs))
             if o.delta_text or o.finish_reason:
-                delta, _ = parser.feed(o.delta_text, o.finish_reason)
-                reasoned = reasoned or bool(delta.get("reasoning"))
-                called = called or bool(delta.get("tool_calls"))
-                lps = text_lps.release(delta["content"]) if text_lps and delta.get("content") else None
-                for ev in stream.feed(delta, lps):
+                parts, _ = parser.parts(o.delta_text, o.finish_reason)
+                reasoned = reasoned or any(kind == "reasoning" for kind, _ in parts)
+                called = called or any(kind == "tool_calls" for kind, _ in parts)
+                for ev in stream.feed(parts, text_lps):
                     yield ev
         self._finish(timer, last)
         o = last.outputs[0]

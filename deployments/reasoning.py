@@ -20,38 +20,46 @@ class ReasoningSplit:
         self.state = "reasoning" if in_reasoning else "before"
         self.pending = ""
 
-    def feed(self, delta: str) -> tuple[str, str]:
-        """New text in; the (reasoning, content) that can go out now."""
+    def parts(self, delta: str) -> list[tuple[str, str]]:
+        """New text in; the pieces that can go out now, in the order written, each
+        ("reasoning" | "content", text): content may come before the reasoning too."""
         text, self.pending = self.pending + delta, ""
-        reasoning = content = ""
+        out = []
         while text:
             if self.state == "after":
-                return reasoning, content + text
-            marker = self.start if self.state == "before" else self.end
+                out.append(("content", text))
+                break
+            kind, marker = ("content", self.start) if self.state == "before" else ("reasoning", self.end)
             at = text.find(marker)
             if at < 0:
                 keep = partial_marker(text, marker)
-                out, self.pending = text[:len(text) - keep], text[len(text) - keep:]
-                if self.state == "before":
-                    content += out
-                else:
-                    reasoning += out
-                return reasoning, content
-            if self.state == "before":
-                content += text[:at]
-                self.state = "reasoning"
-            else:
-                reasoning += text[:at]
-                self.state = "after"
+                out.append((kind, text[:len(text) - keep]))
+                self.pending = text[len(text) - keep:]
+                break
+            out.append((kind, text[:at]))
+            self.state = "reasoning" if self.state == "before" else "after"
             text = text[at + len(marker):]
-        return reasoning, content
+        return [(kind, t) for kind, t in out if t]
+
+    def close_parts(self) -> list[tuple[str, str]]:
+        """At the end: the text held back, as what the split stands in."""
+        held, self.pending = self.pending, ""
+        return [("reasoning" if self.state == "reasoning" else "content", held)] if held else []
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """New text in; the (reasoning, content) that can go out now."""
+        return _joined(self.parts(delta))
 
     def close(self) -> tuple[str, str]:
         """At the end: the text held back, to where it stands."""
-        held, self.pending = self.pending, ""
-        return (held, "") if self.state == "reasoning" else ("", held)
+        return _joined(self.close_parts())
 
     def split(self, text: str) -> tuple[str, str]:
         r, c = self.feed(text)
         r2, c2 = self.close()
         return r + r2, c + c2
+
+
+def _joined(parts: list[tuple[str, str]]) -> tuple[str, str]:
+    return ("".join(t for kind, t in parts if kind == "reasoning"),
+            "".join(t for kind, t in parts if kind == "content"))

@@ -277,21 +277,6 @@ class ResponseBody:
                 "usage": usage_, **self.settings}
 
 
-def output_items(message: dict, finish_reason: str | None, logprobs: list[dict] | None = None) -> list[dict]:
-    """A finished chat message (`ChoiceParser.message`) as output items: its reasoning,
-    its text (also when empty, unless it made calls; with `logprobs`, its text's) and
-    its function calls."""
-    items, status = [], "incomplete" if finish_reason == "length" else "completed"
-    if message.get("reasoning"):
-        items.append(_reasoning_item(_id("rs"), message["reasoning"], "completed"))
-    calls = message.get("tool_calls") or []
-    if message.get("content") or logprobs or not calls:
-        items.append(_message_item(_id("msg"), message.get("content") or "", status, logprobs))
-    for c in calls:
-        items.append(_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
-    return items
-
-
 def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
@@ -356,11 +341,12 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 class ResponseEvents:
-    """The stream of one response: `opening()`, then `feed(delta)` with each chunk's
-    delta fields (`ChoiceParser.feed`: `reasoning`, `content`, `tool_calls`), then
+    """The stream of one response: `opening()`, then `feed(parts)` with each chunk's
+    pieces in order (`ChoiceParser.parts`: reasoning, content, tool calls), then
     `closing(finish_reason, usage)`. Each output item opens when its first piece comes
     and is done when the next kind begins or the response ends; every event carries
-    the next `sequence_number`."""
+    the next `sequence_number`. A whole response is the same events made of the whole
+    text in one piece (`whole_response`), so the two agree however the text was cut."""
 
     def __init__(self, envelope: ResponseBody):
         self.envelope = envelope
@@ -377,15 +363,18 @@ class ResponseEvents:
         body = self.envelope.body("in_progress", [])
         return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
 
-    def feed(self, delta: dict, logprobs: list[dict] | None = None) -> list[dict]:
-        """`logprobs`: the entries of this delta's content (`TextLogprobs.release`)."""
+    def feed(self, parts: list[tuple[str, object]], logprobs: TextLogprobs | None = None) -> list[dict]:
+        """A chunk's pieces in the order written (`ChoiceParser.parts`); with
+        `logprobs`, each piece of content carries its tokens' entries."""
         events = []
-        if delta.get("reasoning"):
-            events += self._text("reasoning", delta["reasoning"])
-        if delta.get("content"):
-            events += self._text("message", delta["content"], logprobs)
-        for call in delta.get("tool_calls") or []:
-            events += self._call(call)
+        for kind, value in parts:
+            if kind == "reasoning":
+                events += self._text("reasoning", value)
+            elif kind == "content":
+                events += self._text("message", value, logprobs.release(value) if logprobs else None)
+            else:
+                for call in value:
+                    events += self._call(call)
         return events
 
     def closing(self, finish_reason: str | None, usage_: dict, logprobs: list[dict] | None = None) -> list[dict]:
@@ -470,3 +459,13 @@ class ResponseEvents:
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         self.items.append(done)
         return events
+
+
+def whole_response(envelope: ResponseBody, parts: list[tuple[str, object]], finish_reason: str | None,
+                   usage_: dict, logprobs: TextLogprobs | None = None) -> dict:
+    """The response body of a finished choice: what its stream ends with, made of all
+    its pieces at once (`ChoiceParser.parts` of the whole text)."""
+    stream = ResponseEvents(envelope)
+    stream.feed(parts, logprobs)
+    called = any(kind == "tool_calls" for kind, _ in parts)
+    return stream.closing(finish_reason, usage_, logprobs.rest(called) if logprobs else None)[-1]["response"]

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from deployments.chat_output import ChoiceParser
 from deployments.reasoning import ReasoningSplit
-from deployments.responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, output_items,
-                                  reasoning_tokens)
+from deployments.responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
+                                  whole_response)
 from deployments.tools import ToolOutput
 
 TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -86,19 +86,32 @@ def _without_ids(items):
     return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
 
 
+def _whole(parser, text, finish, logprobs=None) -> list[dict]:
+    """The whole response's items: the choice's pieces, all at once."""
+    return whole_response(ResponseBody(_request(), "m"), parser.parts(text, finish)[0], finish, {}, logprobs)["output"]
+
+
 @pytest.mark.parametrize("text, mode, finish", [
     ("<think>plan it</think>Hello there", None, "stop"),
     ("Hello there", None, "length"),
     ("<think>still thinking", None, "length"),
+    ("Say<think>plan</think> so", None, "stop"),
     ('<think>pick</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "required", "stop"),
     ('{"city": "Oslo"}', "get_weather", "stop"),
 ])
 def test_the_stream_and_the_whole_response_agree(text, mode, finish):
-    """However the text is cut, the events add up to the items the whole response has:
-    each item added once and done once under one id, its deltas joining to its text,
-    the numbers in sequence, the response last."""
-    message, reason = _parser(mode).message(text, finish)
-    whole = output_items(message, reason)
+    """However the text is cut, the events add up to the items the whole response has,
+    in the order the text wrote them: each item added once and done once under one id,
+    its deltas joining to its text, the numbers in sequence, the response last. The
+    items hold what the chat message of the same text holds."""
+    whole = _whole(_parser(mode), text, finish)
+    message, _ = _parser(mode).message(text, finish)
+    kinds = {"reasoning": "reasoning_text", "message": "output_text"}
+    said = {k: "".join(c["text"] for i in whole if i["type"] == k for c in i["content"] if c["type"] == t)
+            for k, t in kinds.items()}
+    assert said == {"reasoning": message.get("reasoning") or "", "message": message.get("content") or ""}
+    assert [i["arguments"] for i in whole if i["type"] == "function_call"] == \
+        [c["function"]["arguments"] for c in message.get("tool_calls") or []]
     for seed in range(5):
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
@@ -106,8 +119,7 @@ def test_the_stream_and_the_whole_response_agree(text, mode, finish):
         parser, stream = _parser(mode), ResponseEvents(ResponseBody(_request(), "m"))
         events = stream.opening()
         for i, chunk in enumerate(chunks):
-            delta, _ = parser.feed(chunk, finish if i == len(chunks) - 1 else None)
-            events += stream.feed(delta)
+            events += stream.feed(parser.parts(chunk, finish if i == len(chunks) - 1 else None)[0])
         events += stream.closing(finish, {})
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         final = events[-1]
@@ -120,6 +132,12 @@ def test_the_stream_and_the_whole_response_agree(text, mode, finish):
             pieces = "".join(e["delta"] for e in events if e.get("item_id") == item["id"] and e["type"].endswith(".delta"))
             text_of = item.get("arguments") if item["type"] == "function_call" else item["content"][0]["text"]
             assert pieces == text_of
+
+
+def test_text_before_the_reasoning_keeps_its_place():
+    whole = _whole(_parser(), "Say<think>plan</think> so", "stop")
+    assert [(i["type"], i["content"][0]["text"]) for i in whole] == \
+        [("message", "Say"), ("reasoning", "plan"), ("message", " so")]
 
 
 def test_reasoning_tokens_count_up_to_the_end_marker():
@@ -150,15 +168,14 @@ def test_auto_calls_in_the_models_own_format_stream_as_whole_items(format_model)
     def parser():
         return ChoiceParser(ReasoningSplit(tok.think_start, tok.think_end, False), ToolOutput("auto", tok, [TOOL]))
 
-    message, reason = parser().message(text, "stop")
-    whole = output_items(message, reason)
+    whole = _whole(parser(), text, "stop")
     assert [i["type"] for i in whole] == ["reasoning", "message", "function_call"]
     assert json.loads(whole[2]["arguments"]) == {"city": "Paris"} and whole[1]["content"][0]["text"] == "Checking."
     for cut in range(1, len(text), 7):
         p, stream = parser(), ResponseEvents(ResponseBody(_request(), "m"))
         events = stream.opening()
         for chunk, finish in ((text[:cut], None), (text[cut:], "stop")):
-            events += stream.feed(p.feed(chunk, finish)[0])
+            events += stream.feed(p.parts(chunk, finish)[0])
         events += stream.closing("stop", {})
         assert _without_ids(events[-1]["response"]["output"]) == _without_ids(whole)
 
@@ -182,11 +199,11 @@ def _stream_with_logprobs(parser, tokens, state, cuts, finish):
     lps, stream = TextLogprobs((THINK, UNTHINK), state), ResponseEvents(ResponseBody(_request(), "m"))
     events, called = stream.opening(), False
     bounds = [0, *cuts, len(tokens)]
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for a, b in zip(bounds, bounds[1:]):
         lps.add(tokens[a:b])
-        delta, _ = parser.feed(_text_of(tokens[a:b]), finish if b == len(tokens) else None)
-        called = called or bool(delta.get("tool_calls"))
-        events += stream.feed(delta, lps.release(delta["content"]) if delta.get("content") else None)
+        parts, _ = parser.parts(_text_of(tokens[a:b]), finish if b == len(tokens) else None)
+        called = called or any(kind == "tool_calls" for kind, _ in parts)
+        events += stream.feed(parts, lps)
     return events + stream.closing(finish, {}, lps.rest(called))
 
 
@@ -194,6 +211,7 @@ def _stream_with_logprobs(parser, tokens, state, cuts, finish):
     (["Hel", "lo", " there", "<eos>"], False, ["Hel", "lo", " there", "<eos>"]),
     (["<think>", "plan", " it", "</think>", "Hel", "lo"], False, ["Hel", "lo"]),
     (["<think>", "a", "</think>", "Hi", "<eos>"], False, ["Hi", "<eos>"]),
+    (["Say", "<think>", "plan", "</think>", " so", "<eos>"], False, ["Say", " so", "<eos>"]),
     (["plan", "</think>", "Hi", "<think>", "!"], True, ["Hi", "<think>", "!"]),
     (["still", " thinking", "<eos>"], True, []),
 ])
@@ -202,24 +220,25 @@ def test_output_text_logprobs_are_the_texts_own_tokens(pieces, opened, want):
     cut: never the reasoning or its markers (a start marker after the reasoning is
     text, as the split reads it), and the deltas' entries add up to the item's."""
     tokens = _tokens(pieces)
-    message, reason = _parser(opened=opened).message(_text_of(tokens), "stop")
     lps = TextLogprobs((THINK, UNTHINK), "thinking" if opened else "may_think")
     lps.add(tokens)
-    whole = lps.release(message.get("content") or "") + lps.rest(False)
+    whole = _text_logprobs(_whole(_parser(opened=opened), _text_of(tokens), "stop", lps))
     assert [e["token"] for e in whole] == want
-    [item] = [i for i in output_items(message, reason, whole) if i["type"] == "message"]
-    assert item["content"][0]["logprobs"] == whole
     for seed in range(6):
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(tokens)), rng.randint(0, len(tokens) - 1)))
         events = _stream_with_logprobs(_parser(opened=opened), tokens, "thinking" if opened else "may_think",
                                        cuts, "stop")
-        [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"
-                  and e["item"]["type"] == "message"]
-        assert done["content"][0]["logprobs"] == whole
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert _text_logprobs(done) == whole
         deltas = [x for e in events if e["type"] == "response.output_text.delta" for x in e["logprobs"]]
         assert deltas == whole
-        assert events[-1]["response"]["output"][-1]["content"][0]["logprobs"] == whole
+        assert _text_logprobs(events[-1]["response"]["output"]) == whole
+
+
+def _text_logprobs(items: list[dict]) -> list[dict]:
+    """The logprobs of every message item's text, in order."""
+    return [x for i in items if i["type"] == "message" for x in i["content"][0]["logprobs"]]
 
 
 def test_output_text_logprobs_leave_out_a_calls_markup(format_model):
@@ -236,11 +255,12 @@ def test_output_text_logprobs_leave_out_a_calls_markup(format_model):
     def parser():
         return ChoiceParser(ReasoningSplit(tok.think_start, tok.think_end, False), ToolOutput("auto", tok, [TOOL]))
 
-    message, reason = parser().message(_text_of(tokens), "stop")
     lps = TextLogprobs((THINK, UNTHINK), "may_think")
     lps.add(tokens)
-    whole = lps.release(message["content"]) + lps.rest(bool(message.get("tool_calls")))
-    assert [e["token"] for e in whole] == ["Check", "ing", "."] and message["content"] == "Checking."
+    items = _whole(parser(), _text_of(tokens), "stop", lps)
+    assert [i["type"] for i in items] == ["message", "function_call"]
+    whole = items[0]["content"][0]["logprobs"]
+    assert [e["token"] for e in whole] == ["Check", "ing", "."] and items[0]["content"][0]["text"] == "Checking."
     for cut in range(1, len(tokens)):
         events = _stream_with_logprobs(parser(), tokens, "may_think", [cut], "stop")
         [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"
