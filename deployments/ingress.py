@@ -453,11 +453,7 @@ class OpenAIIngress:
         except ValidationError as e:
             raise _validation_error(e, _RESPONSES_PARAMS) from None
         await self._check_constraint(chat)
-        markers = think_markers(self.tokenizer)
-        if body.wants_logprobs and self.tokenizer.has_thinking and markers is None:
-            raise HTTPError(400, "this model's think markers are not single tokens, so its answer's tokens "
-                                 "cannot be told from its reasoning's: output_text logprobs are not available",
-                            param="include")
+        markers = self._text_logprobs_markers(body)
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k())
         parser = parser or (lambda: ChoiceParser())
         envelope = ResponseBody(body, self.model_name)
@@ -475,6 +471,17 @@ class OpenAIIngress:
         usage = self._response_usage(out, end, any(kind == "reasoning" for kind, _ in parts))
         return JSONResponse(whole_response(envelope, parts, o.finish_reason, usage, text_lps),
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+
+    def _text_logprobs_markers(self, body: ResponsesRequest) -> tuple[int, int] | None:
+        """The model's think marker ids (`think_markers`). A 400 where output_text logprobs
+        are asked of a thinking model whose markers span several tokens: its answer's
+        tokens cannot be told from its reasoning's."""
+        markers = think_markers(self.tokenizer)
+        if body.wants_logprobs and self.tokenizer.has_thinking and markers is None:
+            raise HTTPError(400, "this model's think markers are not single tokens, so its answer's tokens "
+                                 "cannot be told from its reasoning's: output_text logprobs are not available",
+                            param="include")
+        return markers
 
     def _response_usage(self, out, end_marker: int | None, reasoned: bool) -> dict:
         u = _Usage().add(out)

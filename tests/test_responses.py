@@ -266,3 +266,22 @@ def test_output_text_logprobs_leave_out_a_calls_markup(format_model):
         [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"
                   and e["item"]["type"] == "message"]
         assert done["content"][0]["logprobs"] == whole, cut
+
+
+def test_logprobs_of_a_model_with_multi_token_think_markers_are_refused(tmp_path):
+    """A thinking model whose markers are several tokens (mlx-lm reads "<|channel>thought"
+    and "<channel|>" so): its answer's tokens cannot be told from its reasoning's, so
+    output_text logprobs are a 400 that says so; without them the request goes on."""
+    from deployments.ingress import HTTPError, OpenAIIngress
+    from runtime.models.loader import load_tokenizer
+    from runtime.models.tiny import make_model
+
+    model = make_model(tmp_path / "m", hidden=32, layers=1, heads=2, kv_heads=1, vocab_size=320,
+                       added_tokens=("<|channel>", "<channel|>"))
+    ingress = OpenAIIngress.__new__(OpenAIIngress)   # only its tokenizer is read
+    ingress.tokenizer = load_tokenizer(str(model))
+    assert ingress.tokenizer.has_thinking and len(ingress.tokenizer.think_start_tokens) > 1
+    with pytest.raises(HTTPError) as e:
+        ingress._text_logprobs_markers(_request(include=["message.output_text.logprobs"]))
+    assert e.value.status == 400 and e.value.param == "include" and "single tokens" in str(e.value)
+    assert ingress._text_logprobs_markers(_request()) is None
