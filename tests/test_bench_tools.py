@@ -10,7 +10,7 @@ import os
 import sys
 
 from bench import (buffer_cache, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu,
-                   structured_output)
+                   step_profile, structured_output)
 from runtime.attention import metadata
 
 
@@ -133,6 +133,17 @@ def test_buffer_cache_runs_every_limit_and_keeps_within_it(tmp_path):
     assert zero["cache_limit_bytes"] == zero["cache_bytes_max"] == 0
     assert out["rows"][0]["cache_limit_bytes"] == out["meta"]["mlx_cache_limit_bytes"] == own
     assert mx.set_cache_limit(own) == own     # MLX's own limit is back
+
+
+def test_step_profile_times_token_processing_with_outputs_as_served(tmp_path):
+    for outputs in ("every", "due"):
+        out = tmp_path / f"{outputs}.json"
+        step_profile.main(["--batch", "4", "--steps", "3", "--prompt-len", "8", "--served-outputs", outputs,
+                           "--out", str(out)])
+        saved = json.loads(out.read_text())
+        assert saved["served_outputs"] == outputs
+        [row] = saved["rows"]
+        assert row["batch"] == 4 and 0 < row["process_ms"] < row["step_ms"]
 
 
 def test_kv_sharing_computes_a_shared_prefix_once(tmp_path):
