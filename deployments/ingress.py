@@ -455,7 +455,7 @@ class OpenAIIngress:
         await self._check_constraint(chat)
         markers = self._text_logprobs_markers(body)
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k())
-        parser = parser or (lambda: ChoiceParser())
+        parser = parser or ChoiceParser
         envelope = ResponseBody(body, self.model_name)
         end = markers[1] if markers else None
         text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
@@ -490,10 +490,10 @@ class OpenAIIngress:
 
     async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None,
                                text_lps: TextLogprobs | None = None):
-        timer, stream = RequestTimer(self.metrics, t0), ResponseEvents(envelope)
+        timer, stream = RequestTimer(self.metrics, t0), ResponseEvents(envelope, text_lps)
         for ev in stream.opening():
             yield ev
-        last, reasoned, called = None, False, False
+        last = None
         async for out in self._chain(first, gen):
             last = out
             timer.output(out)
@@ -501,15 +501,11 @@ class OpenAIIngress:
             if text_lps is not None:
                 text_lps.add(self._token_logprobs(o.delta_token_ids, o.delta_logprobs))
             if o.delta_text or o.finish_reason:
-                parts, _ = parser.parts(o.delta_text, o.finish_reason)
-                reasoned = reasoned or any(kind == "reasoning" for kind, _ in parts)
-                called = called or any(kind == "tool_calls" for kind, _ in parts)
-                for ev in stream.feed(parts, text_lps):
+                for ev in stream.feed(parser.parts(o.delta_text, o.finish_reason)[0]):
                     yield ev
         self._finish(timer, last)
-        o = last.outputs[0]
-        tail = text_lps.rest(called) if text_lps else None
-        for ev in stream.closing(o.finish_reason, self._response_usage(last, end_marker, reasoned), tail):
+        usage = self._response_usage(last, end_marker, stream.reasoned)
+        for ev in stream.closing(last.outputs[0].finish_reason, usage):
             yield ev
 
     def _token_logprobs(self, token_ids: list[int], lps) -> list[tuple[int, str, dict]]:

@@ -346,13 +346,15 @@ class ResponseEvents:
     `closing(finish_reason, usage)`. Each output item opens when its first piece comes
     and is done when the next kind begins or the response ends; every event carries
     the next `sequence_number`. A whole response is the same events made of the whole
-    text in one piece (`whole_response`), so the two agree however the text was cut."""
+    text in one piece (`whole_response`), so the two agree however the text was cut.
+    With `logprobs`, each piece of content carries its tokens' entries."""
 
-    def __init__(self, envelope: ResponseBody):
-        self.envelope = envelope
+    def __init__(self, envelope: ResponseBody, logprobs: TextLogprobs | None = None):
+        self.envelope, self.logprobs = envelope, logprobs
         self.seq = 0
         self.items: list[dict] = []       # finished output items
         self.open: dict | None = None     # the item being streamed: its kind, id and text so far
+        self.reasoned = self.called = False   # whether any reasoning, any tool call came
 
     def _event(self, type_: str, **fields) -> dict:
         ev = {"type": type_, "sequence_number": self.seq, **fields}
@@ -363,23 +365,25 @@ class ResponseEvents:
         body = self.envelope.body("in_progress", [])
         return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
 
-    def feed(self, parts: list[tuple[str, object]], logprobs: TextLogprobs | None = None) -> list[dict]:
-        """A chunk's pieces in the order written (`ChoiceParser.parts`); with
-        `logprobs`, each piece of content carries its tokens' entries."""
+    def feed(self, parts: list[tuple[str, object]]) -> list[dict]:
+        """A chunk's pieces in the order written (`ChoiceParser.parts`)."""
         events = []
         for kind, value in parts:
             if kind == "reasoning":
+                self.reasoned = True
                 events += self._text("reasoning", value)
             elif kind == "content":
-                events += self._text("message", value, logprobs.release(value) if logprobs else None)
+                events += self._text("message", value, self.logprobs.release(value) if self.logprobs else None)
             else:
+                self.called = True
                 for call in value:
                     events += self._call(call)
         return events
 
-    def closing(self, finish_reason: str | None, usage_: dict, logprobs: list[dict] | None = None) -> list[dict]:
-        """`logprobs`: text entries left at the end (`TextLogprobs.rest`), on the message."""
-        events = self._text("message", "", logprobs) if logprobs else []
+    def closing(self, finish_reason: str | None, usage_: dict) -> list[dict]:
+        """The text entries still held at the end (`TextLogprobs.rest`) go on the message."""
+        tail = self.logprobs.rest(self.called) if self.logprobs else None
+        events = self._text("message", "", tail) if tail else []
         events += self._close(finish_reason)
         if not any(i["type"] != "reasoning" for i in self.items):   # no text: an empty message, as whole
             events += self._text("message", "") + self._close(finish_reason)
@@ -465,7 +469,6 @@ def whole_response(envelope: ResponseBody, parts: list[tuple[str, object]], fini
                    usage_: dict, logprobs: TextLogprobs | None = None) -> dict:
     """The response body of a finished choice: what its stream ends with, made of all
     its pieces at once (`ChoiceParser.parts` of the whole text)."""
-    stream = ResponseEvents(envelope)
-    stream.feed(parts, logprobs)
-    called = any(kind == "tool_calls" for kind, _ in parts)
-    return stream.closing(finish_reason, usage_, logprobs.rest(called) if logprobs else None)[-1]["response"]
+    stream = ResponseEvents(envelope, logprobs)
+    stream.feed(parts)
+    return stream.closing(finish_reason, usage_)[-1]["response"]

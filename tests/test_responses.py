@@ -196,15 +196,14 @@ def _text_of(tokens) -> str:
 
 def _stream_with_logprobs(parser, tokens, state, cuts, finish):
     """A response streamed in chunks of tokens cut at `cuts`, with output_text logprobs."""
-    lps, stream = TextLogprobs((THINK, UNTHINK), state), ResponseEvents(ResponseBody(_request(), "m"))
-    events, called = stream.opening(), False
+    lps = TextLogprobs((THINK, UNTHINK), state)
+    stream = ResponseEvents(ResponseBody(_request(), "m"), lps)
+    events = stream.opening()
     bounds = [0, *cuts, len(tokens)]
     for a, b in zip(bounds, bounds[1:]):
         lps.add(tokens[a:b])
-        parts, _ = parser.parts(_text_of(tokens[a:b]), finish if b == len(tokens) else None)
-        called = called or any(kind == "tool_calls" for kind, _ in parts)
-        events += stream.feed(parts, lps)
-    return events + stream.closing(finish, {}, lps.rest(called))
+        events += stream.feed(parser.parts(_text_of(tokens[a:b]), finish if b == len(tokens) else None)[0])
+    return events + stream.closing(finish, {})
 
 
 @pytest.mark.parametrize("pieces, opened, want", [
