@@ -224,7 +224,7 @@ class ModelRunner:
         only if no queued work still holds its buffer, and queued behind a running
         step, every KV write would copy its layer's whole pool array."""
         res, pr = pending.result, pending.prompt
-        outs = [] if res is None else [res.tokens, res.logprobs, res.top_ids, res.top_logprobs]
+        outs = [] if res is None else res.arrays()
         if pending.deferred:
             outs.append(pending.logits)
         if pr is not None:
@@ -236,9 +236,9 @@ class ModelRunner:
         """Sample a deferred step's logits, queued behind its forward pass, with the
         sequences' state as the host has it now (their grammars advanced past the
         previous step's tokens)."""
-        res = pending.result = sample(pending.logits, pending.seqs)
+        pending.result = sample(pending.logits, pending.seqs)
         pending.logits = None
-        mx.async_eval(*(a for a in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if a is not None))
+        mx.async_eval(*pending.result.arrays())
 
     @staticmethod
     def wait() -> None:

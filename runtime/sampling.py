@@ -22,6 +22,10 @@ class SampleResult:
     top_ids: mx.array | None = None    # (B, k)
     top_logprobs: mx.array | None = None
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays to evaluate: those asked for."""
+        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
+
 
 def _apply_logit_bias(logits: mx.array, seqs: list[Sequence]) -> mx.array:
     """`logit_bias`, and -inf for EOS and stop ids before `min_tokens`."""
