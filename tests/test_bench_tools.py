@@ -3,13 +3,14 @@ and reads the window where the engine was busiest; `mixed_prefill` runs end to e
 restores the shipped grouping after its other arm; `prefix_sweep` gives each length text
 of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
 still completes every request with the roomy run's tokens; `kv_sharing` computes a shared
-prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters."""
+prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters;
+`hit_profile` hits the cache in its hit pass only."""
 
 import json
 import os
 import sys
 
-from bench import (buffer_cache, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu,
+from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu,
                    step_profile, structured_output)
 from runtime.attention import metadata
 
@@ -181,3 +182,15 @@ def test_structured_output_runs_every_request_to_its_length(tmp_path):
     assert [r["system"] for r in data["rows"]] == list(structured_output.SYSTEMS)
     assert all(r["output_tokens"] == 4 * 6 for r in data["rows"])
     assert data["rows"][0]["tok_s_vs_free"] == 1.0 and data["mask"][0]["mask_ms_per_step"] > 0
+
+
+def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
+    hit_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--jitter", "0.5", "--streams", "2",
+                      "--requests", "6", "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t",
+                      "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "hit_profile_t.json").read_text())
+    miss, hit = out["rows"]
+    assert (miss["pass"], hit["pass"]) == ("miss", "hit")
+    assert miss["cached_tokens_p50"] == 0 and hit["cached_tokens_p50"] == 64   # four whole blocks
+    for r in (miss, hit):
+        assert r["ttft_steps_p50"] >= 2 and r["mixed"]["n"] >= 1 and r["decode"]["n"] >= 1

@@ -1,0 +1,211 @@
+"""Where a prefix hit's time to first token goes, in the engine alone (no HTTP, no Ray).
+
+The bundle's prefix workload, driven in-process: `--streams` requests run at once, each a
+prompt of one of `--num-prefixes` shared prefixes plus a fresh suffix, generating
+`--output-len` tokens; a finished request is replaced at once (closed loop). Two passes
+on one engine: "hit" (the prefixes cached by a warm-up) and "miss" (every prompt's prefix
+fresh, so nothing is cached; the same lengths). Per request: steps and milliseconds from
+`add_request` to the step that returns its first token. Per step, by what it computes
+("mixed": some prompt tokens beside decodes; "decode": one token per sequence): the wall
+time and its parts: scheduling, building the lazy graph, queuing it on the device
+(encoding kernels; on MLX's CPU backend, computing it too), waiting for the device, and
+processing tokens.
+
+    python bench/hit_profile.py --model llama-1b --prefix-len 2048 --suffix-len 64 --streams 8
+"""
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_continuous_vs_static import COMPILE, RESULTS, resolve_model, run_meta  # noqa: E402
+import mlx.core as mx  # noqa: E402
+
+from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+PARTS = ("schedule", "build", "queue", "wait", "process")
+
+
+class StepClock:
+    """Wraps the engine's step parts in timers (instance attributes over the methods)
+    and files each step's times under the kind of batch it built."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.cur = dict.fromkeys(PARTS, 0.0)
+        self.kind = "idle"
+        self.steps: dict[str, list[dict]] = defaultdict(list)
+        sched, runner = engine.scheduler, engine.runner
+        self._orig = [(sched, "schedule"), (runner, "build"), (runner, "queue"), (runner, "wait"),
+                      (runner, "collect"), (engine, "_process")]
+        sched.schedule = self._timed(sched.schedule, "schedule", self._classify)
+        runner.build = self._timed(runner.build, "build")
+        runner.queue = self._timed(runner.queue, "queue")
+        runner.wait = self._timed(runner.wait, "wait")
+        runner.collect = self._timed(runner.collect, "wait")
+        engine._process = self._timed(engine._process, "process")
+
+    def _classify(self, out):
+        self.kind = "idle" if not out else (
+            "mixed" if any(s.num_tokens > 1 for s in out.scheduled) else "decode")
+
+    def _timed(self, fn, part, after=None):
+        def run(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            self.cur[part] += time.perf_counter() - t
+            if after is not None:
+                after(out)
+            return out
+        return run
+
+    def step(self):
+        self.cur = dict.fromkeys(PARTS, 0.0)
+        t = time.perf_counter()
+        outs = self.engine.step()
+        row = {k: v * 1e3 for k, v in self.cur.items()}
+        row["wall"] = (time.perf_counter() - t) * 1e3
+        self.steps[self.kind].append(row)
+        return outs
+
+    def close(self):
+        for obj, name in self._orig:
+            del obj.__dict__[name]
+
+
+def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: list[list[int]],
+             prof: cProfile.Profile | None) -> dict:
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, output_kind="delta")
+    added: dict[str, tuple[float, int, bool]] = {}
+    ttft_ms, ttft_steps, cached = [], [], []
+    counter = iter(range(1 << 30))
+
+    def toks(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    def add():
+        i = next(counter)
+        prefix = prefixes[i % len(prefixes)] if kind == "hit" else toks(args.prefix_len)
+        rid = f"{kind}-{i}"
+        # The first wave's lengths are staggered so that arrivals spread over the steps,
+        # as a server's do, rather than all landing in one.
+        first = i < args.streams
+        sp = replace(params, max_tokens=1 + i * args.output_len // args.streams) if first else params
+        n = args.suffix_len
+        if args.jitter:   # suffixes of ragged lengths, as text prompts tokenize to
+            n = rng.randint(round(n * (1 - args.jitter)), round(n * (1 + args.jitter)))
+        engine.add_request(rid, None, sp, prompt_token_ids=prefix + toks(n))
+        added[rid] = (time.perf_counter(), n_steps, first)
+
+    n_steps = 0
+    for _ in range(args.streams):
+        add()
+    clock = StepClock(engine)
+    if prof:
+        prof.enable()
+    done = 0
+    t0 = time.perf_counter()
+    while done < args.requests:
+        outs = clock.step()
+        n_steps += 1
+        for out in outs:
+            if out.request_id in added and out.outputs[0].delta_token_ids:
+                t, s, first = added.pop(out.request_id)
+                if not first:   # the first wave arrives together: not steady state
+                    ttft_ms.append((time.perf_counter() - t) * 1e3)
+                    ttft_steps.append(n_steps - s)
+                    cached.append(out.num_cached_tokens)
+            if out.finished:
+                done += 1
+                add()
+    wall = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+    clock.close()
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    row = {"pass": kind, "requests": len(ttft_ms), "ttft_p50_ms": statistics.median(ttft_ms),
+           "ttft_mean_ms": statistics.fmean(ttft_ms), "ttft_steps_p50": statistics.median(ttft_steps),
+           "cached_tokens_p50": statistics.median(cached),
+           "steps": n_steps, "wall_s": wall}
+    for k, rows in clock.steps.items():
+        row[k] = {"n": len(rows), **{p: statistics.fmean(r[p] for r in rows) for p in PARTS + ("wall",)}}
+        row[k]["wall_p50"] = statistics.median(r["wall"] for r in rows)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--num-prefixes", type=int, default=4)
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="suffix lengths uniform within this share of --suffix-len either side")
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=64, help="requests finished per pass")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--kv-cache-gb", type=float, default=4.0)
+    ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--cprofile", action="store_true", help="top host functions of the hit pass")
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    engine = LLMEngine(EngineConfig(model=resolve_model(args.model), max_num_seqs=max(args.streams, 8),
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
+                                    compile_decode=COMPILE[args.compile_decode]))
+    rng = random.Random(0)
+    # With --jitter the prefixes' lengths differ too, not all a whole number of blocks.
+    prefixes = [[rng.randrange(3, engine.vocab_size) for _ in range(args.prefix_len + (7 * i if args.jitter else 0))]
+                for i in range(args.num_prefixes)]
+    # Warm-up: every kernel and shape of both passes, and the prefixes cached.
+    warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.streams})
+    run_pass(engine, "miss", warm, rng, prefixes, None)
+    run_pass(engine, "hit", warm, rng, prefixes, None)
+    prof = cProfile.Profile() if args.cprofile else None
+    rows = [run_pass(engine, "miss", args, rng, prefixes, None),
+            run_pass(engine, "hit", args, rng, prefixes, prof)]
+    miss, hit = rows
+    print(f"attention backend {engine.runner.attention_backend}, {mx.default_device()}; "
+          f"TTFT in the engine, miss/hit: {miss['ttft_p50_ms'] / hit['ttft_p50_ms']:.2f}x")
+    print(f"{'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | {'n':>4} | {'wall ms':>8} | "
+          + " | ".join(f"{p:>8}" for p in PARTS))
+    for r in rows:
+        for k in ("mixed", "decode"):
+            if k in r:
+                s = r[k]
+                print(f"{r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | {r['ttft_steps_p50']:>5} | {k:>9} | "
+                      f"{s['n']:>4} | {s['wall']:>8.2f} | " + " | ".join(f"{s[p]:>8.2f}" for p in PARTS))
+    out = {**run_meta(args), "attention_backend": engine.runner.attention_backend,
+           "ttft_ratio_miss_over_hit": miss["ttft_p50_ms"] / hit["ttft_p50_ms"], "rows": rows}
+    if prof:
+        stats = pstats.Stats(prof)
+        n = hit["steps"]
+        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+        out["hit_top_ms_per_step"] = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", round(v[2] / n * 1e3, 3))
+                                      for k, v in top]
+        for name, ms in out["hit_top_ms_per_step"]:
+            print(f"{ms:8.3f} ms/step  {name}")
+    path = Path(args.results_dir) / f"hit_profile_{args.tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
