@@ -192,9 +192,13 @@ def bare_engine(model: str, engine: dict, extra: dict, name: str = "ours-bare-en
     loop in an engine process of its own, driven from this process's event loop. (With
     the loop on a thread here instead, the client's per-token work for hundreds of
     streams and the engine's host work share one GIL, and the anchor itself slows.)"""
+    from deployments.app import AppArgs
     from runtime import AsyncEngine, EngineConfig
 
     eng = AsyncEngine(EngineConfig(model=model, **engine), process=True)
+    # The app's default output pacing, so that the two differ by Ray Serve and HTTP alone.
+    fields = AppArgs.model_fields
+    pace = fields["stream_interval_ms"].default / 1e3, fields["max_stream_chunks_per_s"].default
 
     def sample() -> dict:
         s = eng.stats()
@@ -202,7 +206,7 @@ def bare_engine(model: str, engine: dict, extra: dict, name: str = "ours-bare-en
                 "kv_cache_bytes_saved_by_sharing": s["kv_cache_bytes_saved_by_sharing"],
                 "step_time_counts": s["step_time_counts"]}
     try:
-        yield Target(name, lambda: sb.EngineBackend(eng, extra), sample, "AsyncEngine, engine process")
+        yield Target(name, lambda: sb.EngineBackend(eng, extra, *pace), sample, "AsyncEngine, engine process")
     finally:
         eng.shutdown()
 

@@ -317,8 +317,12 @@ class EngineBackend:
     logit bias). The difference
     between this and the `serve run` app is the cost of Ray Serve and HTTP."""
 
-    def __init__(self, engine, extra_body: dict | None = None):
+    def __init__(self, engine, extra_body: dict | None = None, stream_interval_s: float = 0.0,
+                 max_chunks_per_s: float = 0.0):
+        """`stream_interval_s`, `max_chunks_per_s`: the output pacing the app's replica
+        asks of its engine (`AsyncEngine.generate`); 0: every step's tokens."""
         self.engine = engine
+        self.pace = {"stream_interval_s": stream_interval_s, "max_chunks_per_s": max_chunks_per_s}
         self.tok = engine.tokenizer
         self.logit_bias = {int(k): v for k, v in (extra_body or {}).get("logit_bias", {}).items()}
         self._ids = 0
@@ -338,7 +342,8 @@ class EngineBackend:
         res, last = Result(prompt_tokens=len(ids)), None
         t0 = time.perf_counter()
         try:
-            async for out in self.engine.generate(None, params, f"bench-{self._ids}", prompt_token_ids=ids):
+            async for out in self.engine.generate(None, params, f"bench-{self._ids}", prompt_token_ids=ids,
+                                                  **self.pace):
                 o = out.outputs[0]
                 if o.delta_token_ids:
                     now = time.perf_counter()

@@ -276,6 +276,16 @@ def test_serve_bench_engine_backend_counts_every_token(async_engine):
         <= s["ttft_s"]["p95"]
 
 
+def test_serve_bench_engine_backend_paces_as_the_app(async_engine):
+    """Paced as the app's replica paces (`compare.py`'s bare engine): the first token at
+    once, then, with a minute's interval, everything else in the last chunk."""
+    from bench import serve_bench as sb
+
+    backend = sb.EngineBackend(async_engine, sb.eos_logit_bias(async_engine.tokenizer), stream_interval_s=60.0)
+    res = asyncio.run(backend.send(sb.Request("a paced stream", None, 12), None))
+    assert res.ok and res.output_tokens == 12 and len(res.itl) == 1
+
+
 def test_async_cancel_frees_blocks(async_engine):
     p = SamplingParams(temperature=0.8, max_tokens=1500, ignore_eos=True)
 
