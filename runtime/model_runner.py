@@ -15,6 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .attention import PADDING_FREE, available, build_metadata, get_backend, install_hook, resolve_backend
+from .attention.metadata import ROW_PAD_STEPS, padded_size
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
@@ -89,6 +90,9 @@ class ModelRunner:
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
         # to few shapes or does without it (`make_group`).
         self.plan_per_shape = available("cuda")
+        # There MLX's matmuls plan per shape as well: uncompiled steps pad their packed
+        # rows, and the rows they compute logits for, to a grid (`ROW_PAD_STEPS`).
+        self.pad_rows = self.plan_per_shape
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
         self.padding_free = self.attention_backend in PADDING_FREE
@@ -159,17 +163,25 @@ class ModelRunner:
         if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows) \
                 and not prompt_spans and self.decode_graph.accepts(t):
             return self.decode_graph(inputs, tables, starts)
+        pad = padded_size(t, 16, ROW_PAD_STEPS) - t if self.pad_rows else 0
+        if pad:
+            inputs = mx.concatenate([inputs, mx.zeros((pad,), dtype=inputs.dtype)])
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
                                        split_decodes=not self.padding_free,
-                                       plan_per_shape=self.plan_per_shape)
+                                       plan_per_shape=self.plan_per_shape,
+                                       pad_rows=pad, scratch_slot=self.pool.scratch_slot)
         # The last layer attends for the sampling rows alone, unless prompt rows are
         # wanted too: then it runs for all, as a plain prefill does.
         if rows and len(rows) < t and not prompt_spans:
             self.ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
-        in_order = len(rows) == t and not prompt_spans   # every row samples, in order
-        rows_m = None if in_order else mx.array(rows, dtype=mx.int32)
-        return self._logits(inputs[:, None], rows_m, split)
+        n = len(rows)
+        if n == t + pad and not prompt_spans:   # every row samples, in order
+            return self._logits(inputs[:, None], None, split)
+        if self.pad_rows:   # the logits' rows on a grid too; the extra ones repeat the last
+            rows = rows + rows[-1:] * (padded_size(n, 8, ROW_PAD_STEPS) - n)
+        logits = self._logits(inputs[:, None], mx.array(rows, dtype=mx.int32), split)
+        return logits if len(rows) == n else logits[:n]
 
     def _sampled_rows(self, rows: list[int], ends: list[tuple[int, list[int]]]) -> SampledRows:
         """The sampling rows (each sequence's end and block table in `ends`) as one-token

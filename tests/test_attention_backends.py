@@ -143,14 +143,22 @@ def test_prefill_groups_are_padded_to_few_shapes():
     assert meta.slot_mapping.tolist() == [4 * 16 + p - 16 for p in range(10, 15)] + [7 * 16 + p for p in range(6, 9)]
 
 
-def test_short_prefill_groups_go_unfused_and_unpadded_where_shapes_cost_plans():
+def test_short_prefill_groups_go_unfused_on_a_grid_where_shapes_cost_plans():
     """Under per-shape plans, a group of up to UNFUSED_MAX_QUERIES queries a sequence
-    is attended unfused at its own shape; past that it is padded and fused. Without
-    per-shape plans neither happens."""
+    is attended unfused, padded to its grid (sequences to a power of two, queries to
+    `PAD_STEPS` sizes an octave, key blocks to `ROW_PAD_STEPS`): its matmuls plan per
+    shape too. Past that it is padded and fused. Without per-shape plans neither
+    happens."""
     limit = metadata.UNFUSED_MAX_QUERIES
     tables, starts = [list(range(20)), list(range(20, 40))], [150, 140]
     (short,) = build_metadata(tables, starts, [limit, 3], 16, plan_per_shape=True).groups
     assert short.unfused and short.query_pos.shape == (2, limit) and short.block_tables.shape == (2, 20)
+    ragged = build_metadata(tables + [list(range(40, 61))], starts + [200], [limit - 5, 3, 70], 16,
+                            plan_per_shape=True).groups
+    (g,) = [g for g in ragged if g.unfused]
+    assert g.query_pos.shape == (4, limit) and g.block_tables.shape == (4, 22)
+    out = g.out_rows.tolist()   # each sequence's rows from the start of its padded row
+    assert len(out) == limit - 5 + 3 + 70 and out[limit - 5] == limit and out[limit - 2] == 2 * limit
     (long_,) = build_metadata(tables, starts, [limit + 1, limit + 1], 16, plan_per_shape=True).groups
     assert not long_.unfused and long_.query_pos.shape == (2, 2 * limit) and long_.block_tables.shape == (2, 32)
     (plain,) = build_metadata(tables, starts, [limit, 3], 16).groups
@@ -188,8 +196,8 @@ def test_prefix_hits_are_not_padded_to_a_new_prompt_beside_them(plan_per_shape):
     """Prefill sequences are grouped by their number of new tokens as well as by
     context: hits (a few new tokens over a cached prefix) and a whole prompt of about
     the same context, in `sort_key` order, make two groups, and the hits' group is as
-    wide in queries as its longest hit (under per-shape plans: unfused). Decodes and
-    chunks within a class still share a group."""
+    wide in queries as its longest hit (under per-shape plans: unfused, on its grid).
+    Decodes and chunks within a class still share a group."""
     hits = [(2100, 84), (2090, 64), (2080, 100)]        # (first new position, new tokens)
     seqs = hits + [(0, 2112), (2000, 1), (1500, 1)]
     seqs.sort(key=lambda s: sort_key(s[1], s[0] + s[1]))
@@ -198,7 +206,9 @@ def test_prefix_hits_are_not_padded_to_a_new_prompt_beside_them(plan_per_shape):
     tables = [list(range(i * 140, i * 140 + -(-(s + n) // 16))) for i, (s, n) in enumerate(seqs)]
     groups = build_metadata(tables, starts, lengths, 16, split_decodes=False, plan_per_shape=plan_per_shape).groups
     assert [(g.row_start, g.row_end) for g in groups] == [(0, 2), (2, 2114), (2114, 2362)]
-    assert groups[2].query_pos.shape == (3, 100) and groups[2].unfused == plan_per_shape
+    # Under per-shape plans the unfused group sits on its grid: 4 sequences, 112 queries.
+    assert groups[2].query_pos.shape == ((4, 112) if plan_per_shape else (3, 100))
+    assert groups[2].unfused == plan_per_shape
     assert not groups[1].unfused
     assert [metadata.query_class(n) for n in (1, 64, 128, 129, 256, 257)] == [7, 7, 7, 8, 8, 9]
 
@@ -216,10 +226,11 @@ def test_unfused_prefill_matches_fused(dtype, tol, heads, kv_heads):
     fused, unfused = (build_metadata(tables, starts, lengths, bs, plan_per_shape=p).groups for p in (False, True))
     assert [g.unfused for g in unfused] == [True] and [g.unfused for g in fused] == [False]
     (gf,), (gu,) = fused, unfused
-    b, lq = gu.query_pos.shape
-    q = mx.array(rng.standard_normal((b, heads, lq, d)), dtype=dtype)
-    want = gather.attend_group(q, k_pool, v_pool, gf, d ** -0.5, bs).astype(mx.float32)
-    got = gather.attend_group(q, k_pool, v_pool, gu, d ** -0.5, bs).astype(mx.float32)
+    b, lq = gf.query_pos.shape
+    assert gu.query_pos.shape == (4, 16)   # padded to its grid
+    q = mx.array(rng.standard_normal((4, heads, 16, d)), dtype=dtype)
+    want = gather.attend_group(q[:b, :, :lq], k_pool, v_pool, gf, d ** -0.5, bs).astype(mx.float32)
+    got = gather.attend_group(q, k_pool, v_pool, gu, d ** -0.5, bs).astype(mx.float32)[:b, :, :lq]
     valid = (np.arange(lq)[None] < np.asarray(lengths)[:, None])[:, None, :, None]
     err = mx.abs(got - want) * mx.array(valid)
     assert float(err.max().item()) <= tol

@@ -103,17 +103,20 @@ def _reference_prompt_logprobs(path, prompt_ids):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def test_prompt_logprobs_match_mlx_lm(arch, monkeypatch):
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_prompt_logprobs_match_mlx_lm(arch, monkeypatch, pad_rows):
     """Each prompt token's logprob (and the top 3 at its position) as mlx-lm's forward
     pass gives them: under chunked prefill, with the prompt already in the prefix cache
     (which a request with prompt logprobs must not use), beside requests that do use it,
-    with n = 2, and on a pool small enough to preempt."""
+    with n = 2, and on a pool small enough to preempt. `pad_rows`: the step's rows and
+    logit rows padded to a grid, as on CUDA."""
     monkeypatch.setattr(engine_module, "OVERLAP_MIN_SEQS", 1)
     name, path = arch
     rng = random.Random(5)
     prompts = [_prompt(rng, n) for n in (40, 23, 57, 9)]
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=24, block_size=8, max_num_batched_tokens=24,
                                     max_num_seqs=6))
+    engine.runner.pad_rows = pad_rows
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))   # now cached
     params = [SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=3, n=2 if i == 2 else 1,
                              ignore_eos=True) for i in range(len(prompts))]
@@ -209,14 +212,15 @@ def test_priority_runs_first(default_model):
 def test_prefill_under_per_shape_plans_matches(arch, monkeypatch, unfused_max_queries, pad_steps):
     """What the engine does on CUDA, forced on here: prefill padded to a few sizes an
     octave (the threshold lowered to 0), or to powers of two (every group, with the
-    limit at 0), or attended unfused (these chunks, all under the default limit).
-    Ragged prompts chunked several to a step still give mlx-lm's tokens and logprobs."""
+    limit at 0), or attended unfused (these chunks, all under the default limit, padded
+    to their grid), and each step's rows padded to theirs. Ragged prompts chunked
+    several to a step still give mlx-lm's tokens and logprobs."""
     monkeypatch.setattr(metadata, "UNFUSED_MAX_QUERIES", unfused_max_queries)
     monkeypatch.setattr(metadata, "FINE_PAD_QUERIES", 0)
     monkeypatch.setattr(metadata, "PAD_STEPS", pad_steps)
     name, path = arch
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=64, max_num_batched_tokens=40))
-    engine.runner.plan_per_shape = True
+    engine.runner.plan_per_shape = engine.runner.pad_rows = True
     rng = random.Random(3)
     prompts = [_prompt(rng, n) for n in (3, 50, 17, 33)]
     for ids, out in zip(prompts, engine.generate(prompts, _params())):

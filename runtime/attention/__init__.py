@@ -120,9 +120,10 @@ def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | No
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,
                     scale: float, attend: AttendFn, sinks: mx.array | None = None) -> mx.array:
-    """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group."""
+    """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group; rows
+    that pad the batch (`meta.pad_rows`) get zeros."""
     outs = []
-    whole = len(meta.groups) == 1
+    whole = len(meta.groups) == 1 and not meta.pad_rows
     for g in meta.groups:
         rows = q if whole else q[g.row_start:g.row_end]           # (Tg, H, 1, D)
         if g.single_query:
@@ -136,6 +137,8 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: Atten
         if g.out_rows is not None:
             out = out[g.out_rows]
         outs.append(out[:, :, None, :])
+    if meta.pad_rows:
+        outs.append(mx.zeros((meta.pad_rows, *q.shape[1:]), q.dtype))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 

@@ -39,6 +39,17 @@ UNFUSED_MAX_QUERIES = 128
 # 8 in flight: 400 -> 209 ms (`bench/prefix_sweep.py`; H200, Llama-3.2-1B geometry).
 FINE_PAD_QUERIES = 2048
 PAD_STEPS = 4
+# MLX's matmuls on CUDA also build a plan for each new shape: 2.2-2.3 ms the first time a
+# 1B model's projection meets a new row count, against 0.08-0.14 ms once seen, and 3.2
+# against 0.2 ms for an unfused attention group (H100, `bench/shape_plans.py`).
+# A step's packed rows number whatever its sequences' new tokens add up to, so nearly
+# every step with prompt tokens met new shapes in all its matmuls. There, the packed
+# rows, the rows computing logits and the unfused groups are padded to grids of
+# `ROW_PAD_STEPS` sizes an octave: a few dozen shapes in all, under an eighth of wasted
+# rows (a quarter for a group's queries). With ragged prompt lengths a prefix hit's
+# first token came 31 % sooner (21.2 -> 14.7 ms in the engine at 8 streams; H100,
+# `bench/hit_profile.py --jitter 0.5`); with even ones, within noise.
+ROW_PAD_STEPS = 8
 
 
 @dataclass
@@ -90,6 +101,7 @@ class AttentionMetadata:
     slot_mapping: mx.array       # (T,) flat KV slot each new token is written to
     groups: list[GroupMetadata]
     block_size: int
+    pad_rows: int = 0            # the last rows of T pad the batch: in no group, attended to zero
 
 
 def query_class(num_tokens: int) -> int:
@@ -165,14 +177,17 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     in sequences, queries and key blocks to powers of two, and past `FINE_PAD_QUERIES`
     to `padded_size`s of `pad_steps` (by default `PAD_STEPS`) sizes an octave. Padding
     queries sit at position 0 and see key 0; their outputs are dropped through
-    `out_rows`. Metal and CPU pay nothing per shape, so there padding would only add
-    work."""
+    `out_rows`. An unfused group is padded too, in sequences to a power of two, in
+    queries and key blocks to finer grids (`ROW_PAD_STEPS`): its matmuls plan per shape.
+    Metal and CPU pay nothing per shape, so there padding would only add work."""
     n = len(lengths)
     lq = max(lengths)
     rows_n, lq_n, width = n, lq, int(widths.max())
     limit = UNFUSED_MAX_QUERIES if unfused_max_queries is None else unfused_max_queries
     unfused = plan_per_shape and 1 < lq <= limit
-    if plan_per_shape and lq > max(1, limit):
+    if unfused:   # its matmuls plan per shape too: a grid
+        rows_n, lq_n, width = padded_size(n, 1, 1), padded_size(lq, 16, PAD_STEPS), padded_size(width, 4, ROW_PAD_STEPS)
+    elif plan_per_shape and lq > max(1, limit):
         steps = PAD_STEPS if pad_steps is None else pad_steps
         if lq <= FINE_PAD_QUERIES:
             steps = 1
@@ -185,7 +200,7 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     qpos[:n] = np.asarray(starts, dtype=np.int32)[:, None] + np.arange(lq_n, dtype=np.int32)[None]
     qpos[~valid] = 0
     qrows = out_rows = None
-    if lq > 1 and (n > 1 or lq_n != lq):
+    if lq > 1 and (n > 1 or lq_n != lq or rows_n != n):
         q = np.zeros((rows_n, lq_n), dtype=np.int32)
         q[valid] = np.arange(int(lens.sum()), dtype=np.int32)   # row-major: each sequence's rows in order
         out_rows = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))
@@ -205,12 +220,14 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
                    block_size: int, split_decodes: bool = True,
                    plan_per_shape: bool = False, unfused_max_queries: int | None = None,
-                   pad_steps: int | None = None) -> AttentionMetadata:
+                   pad_steps: int | None = None, pad_rows: int = 0,
+                   scratch_slot: int = 0) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `plan_per_shape`
     pads long prefill groups to a few shapes an octave and attends short ones unfused
-    (see `make_group`). Vectorized over tokens: the per-sequence Python work is
-    flattening the block tables, once."""
+    (see `make_group`). `pad_rows` rows after the sequences' pad the batch: they sit at
+    position 0 and write their K/V to `scratch_slot`. Vectorized over tokens: the
+    per-sequence Python work is flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
     row_of = np.concatenate([[0], np.cumsum(lens)])
@@ -222,5 +239,8 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     groups = [make_group(flat[table_at[a]:table_at[b]], widths[a:b], starts[a:b], lengths[a:b], ctx[a:b],
                          int(row_of[a]), block_size, plan_per_shape, unfused_max_queries, pad_steps)
               for a, b in _group_bounds(lengths, ctx, split_decodes)]
-    return AttentionMetadata(mx.array(positions.astype(np.int32)), mx.array(slots.astype(np.int32)),
-                             groups, block_size)
+    positions, slots = positions.astype(np.int32), slots.astype(np.int32)
+    if pad_rows:
+        positions = np.concatenate([positions, np.zeros(pad_rows, np.int32)])
+        slots = np.concatenate([slots, np.full(pad_rows, scratch_slot, np.int32)])
+    return AttentionMetadata(mx.array(positions), mx.array(slots), groups, block_size, pad_rows)
