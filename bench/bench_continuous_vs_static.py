@@ -57,6 +57,15 @@ def run_meta(args) -> dict:
             "mlx": mx.__version__, "args": portable_args(vars(args))}
 
 
+def write_result(results_dir: str, name: str, out) -> Path:
+    """Write a benchmark's JSON as `results_dir/name` and say where."""
+    path = Path(results_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print("wrote", path)
+    return path
+
+
 def resolve_model(name: str) -> str:
     if name == "default":
         return str(default_model_path())

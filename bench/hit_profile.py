@@ -16,7 +16,6 @@ processing tokens.
 
 import argparse
 import cProfile
-import json
 import pstats
 import random
 import statistics
@@ -28,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_continuous_vs_static import COMPILE, RESULTS, resolve_model, run_meta  # noqa: E402
+from bench.bench_continuous_vs_static import COMPILE, RESULTS, resolve_model, run_meta, write_result  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -161,7 +160,10 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
     ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--cprofile", action="store_true", help="top host functions of the hit pass")
+    ap.add_argument("--pad-rows", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                    help="a step's rows padded to a grid (auto: where matmuls plan per shape, CUDA); "
+                         "each given mode runs its warm-up and both passes on the one engine")
+    ap.add_argument("--cprofile", action="store_true", help="top host functions of the first hit pass")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -173,38 +175,42 @@ def main(argv=None):
     # With --jitter the prefixes' lengths differ too, not all a whole number of blocks.
     prefixes = [[rng.randrange(3, engine.vocab_size) for _ in range(args.prefix_len + (7 * i if args.jitter else 0))]
                 for i in range(args.num_prefixes)]
-    # Warm-up: every kernel and shape of both passes, and the prefixes cached.
-    warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.streams})
-    run_pass(engine, "miss", warm, rng, prefixes, None)
-    run_pass(engine, "hit", warm, rng, prefixes, None)
+    auto = engine.runner.pad_rows
     prof = cProfile.Profile() if args.cprofile else None
-    rows = [run_pass(engine, "miss", args, rng, prefixes, None),
-            run_pass(engine, "hit", args, rng, prefixes, prof)]
-    miss, hit = rows
+    rows, ratios = [], {}
+    for i, mode in enumerate(args.pad_rows):
+        engine.runner.pad_rows = {"auto": auto, "on": True, "off": False}[mode]
+        # Warm-up: the kernels and shapes of both passes, and the prefixes cached.
+        warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.streams})
+        run_pass(engine, "miss", warm, rng, prefixes, None)
+        run_pass(engine, "hit", warm, rng, prefixes, None)
+        miss, hit = (run_pass(engine, "miss", args, rng, prefixes, None),
+                     run_pass(engine, "hit", args, rng, prefixes, prof if i == 0 else None))
+        for r in (miss, hit):
+            r["pad_rows"] = mode
+        rows += [miss, hit]
+        ratios[mode] = miss["ttft_p50_ms"] / hit["ttft_p50_ms"]
     print(f"attention backend {engine.runner.attention_backend}, {mx.default_device()}; "
-          f"TTFT in the engine, miss/hit: {miss['ttft_p50_ms'] / hit['ttft_p50_ms']:.2f}x")
-    print(f"{'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | {'n':>4} | {'wall ms':>8} | "
-          + " | ".join(f"{p:>8}" for p in PARTS))
+          f"TTFT in the engine, miss/hit: " + ", ".join(f"{v:.2f}x (rows padded: {k})" for k, v in ratios.items()))
+    print(f"{'padded':>6} | {'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | {'n':>4} | "
+          f"{'wall ms':>8} | " + " | ".join(f"{p:>8}" for p in PARTS))
     for r in rows:
         for k in ("mixed", "decode"):
             if k in r:
                 s = r[k]
-                print(f"{r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | {r['ttft_steps_p50']:>5} | {k:>9} | "
-                      f"{s['n']:>4} | {s['wall']:>8.2f} | " + " | ".join(f"{s[p]:>8.2f}" for p in PARTS))
+                print(f"{r['pad_rows']:>6} | {r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | {r['ttft_steps_p50']:>5} | "
+                      f"{k:>9} | {s['n']:>4} | {s['wall']:>8.2f} | " + " | ".join(f"{s[p]:>8.2f}" for p in PARTS))
     out = {**run_meta(args), "attention_backend": engine.runner.attention_backend,
-           "ttft_ratio_miss_over_hit": miss["ttft_p50_ms"] / hit["ttft_p50_ms"], "rows": rows}
+           "pad_rows_auto": auto, "ttft_ratio_miss_over_hit": ratios, "rows": rows}
     if prof:
         stats = pstats.Stats(prof)
-        n = hit["steps"]
+        n = rows[1]["steps"]
         top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
         out["hit_top_ms_per_step"] = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", round(v[2] / n * 1e3, 3))
                                       for k, v in top]
         for name, ms in out["hit_top_ms_per_step"]:
             print(f"{ms:8.3f} ms/step  {name}")
-    path = Path(args.results_dir) / f"hit_profile_{args.tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print("wrote", path)
+    write_result(args.results_dir, f"hit_profile_{args.tag}.json", out)
 
 
 if __name__ == "__main__":

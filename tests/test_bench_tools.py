@@ -4,14 +4,14 @@ restores the shipped grouping after its other arm; `prefix_sweep` gives each len
 of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
 still completes every request with the roomy run's tokens; `kv_sharing` computes a shared
 prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters;
-`hit_profile` hits the cache in its hit pass only."""
+`hit_profile` hits the cache in its hit pass only; `shape_plans` counts the row grid."""
 
 import json
 import os
 import sys
 
-from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep, process_cpu,
-                   step_profile, structured_output)
+from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep,
+                   process_cpu, shape_plans, step_profile, structured_output)
 from runtime.attention import metadata
 
 
@@ -187,10 +187,20 @@ def test_structured_output_runs_every_request_to_its_length(tmp_path):
 def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
     hit_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--jitter", "0.5", "--streams", "2",
                       "--requests", "6", "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t",
-                      "--results-dir", str(tmp_path)])
+                      "--pad-rows", "off", "on", "--results-dir", str(tmp_path)])
     out = json.loads((tmp_path / "hit_profile_t.json").read_text())
-    miss, hit = out["rows"]
-    assert (miss["pass"], hit["pass"]) == ("miss", "hit")
-    assert miss["cached_tokens_p50"] == 0 and hit["cached_tokens_p50"] == 64   # four whole blocks
-    for r in (miss, hit):
+    assert out["pad_rows_auto"] is False and set(out["ttft_ratio_miss_over_hit"]) == {"off", "on"}
+    assert [(r["pad_rows"], r["pass"]) for r in out["rows"]] == [("off", "miss"), ("off", "hit"),
+                                                                 ("on", "miss"), ("on", "hit")]
+    for r in out["rows"]:
+        assert r["cached_tokens_p50"] == (64 if r["pass"] == "hit" else 0)   # four whole blocks
         assert r["ttft_steps_p50"] >= 2 and r["mixed"]["n"] >= 1 and r["decode"]["n"] >= 1
+
+
+def test_shape_plans_counts_the_row_grid(tmp_path):
+    shape_plans.main(["--hidden", "32", "--out-dims", "48", "--rows", "17", "64", "--count", "3", "--heads", "4",
+                      "--kv-heads", "2", "--head-dim", "8", "--tag", "t", "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "shape_plans_t.json").read_text())
+    assert out["grid_sizes"] == 16 and out["grid_waste_max"] < 1 / 8   # 8 sizes an octave over two octaves
+    assert [r["op"] for r in out["rows"]] == ["matmul 32->48", "unfused attention"]
+    assert all(r["new_shape_ms_p50"] > 0 and r["seen_shape_ms_p50"] > 0 for r in out["rows"])
