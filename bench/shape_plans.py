@@ -7,8 +7,8 @@ every matmul of nearly every step with prompt tokens. For each projection width 
 times `--count` row counts drawn from `--rows`, each called for the first time, then
 the same again; and unfused attention (two matmuls and a softmax, as a prefix hit's
 group runs on CUDA) at as many new (sequences, queries, keys) shapes. It also counts
-the shapes left when row counts are padded to the engine's grid (`ROW_PAD_STEPS` sizes
-an octave) and the rows that padding wastes. Writes `bench/results/shape_plans_<tag>.json`.
+the shapes left when row counts are padded to the engine's grid (`padded_rows`) and
+the rows that padding wastes. Writes `bench/results/shape_plans_<tag>.json`.
 
     python bench/shape_plans.py --tag gpu
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from bench.bench_continuous_vs_static import RESULTS, run_meta, write_result  # noqa: E402
-from runtime.attention.metadata import ROW_PAD_STEPS, padded_size  # noqa: E402
+from runtime.attention.metadata import padded_rows  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -66,8 +66,8 @@ def main(argv=None):
     rng = random.Random(0)
     lo, hi = args.rows
     ms = rng.sample(range(lo, hi + 1), min(args.count, hi - lo + 1))
-    grid = sorted({padded_size(m, 16, ROW_PAD_STEPS) for m in range(lo, hi + 1)})
-    waste = max((padded_size(m, 16, ROW_PAD_STEPS) - m) / m for m in range(lo, hi + 1))
+    grid = sorted({padded_rows(m) for m in range(lo, hi + 1)})
+    waste = max((padded_rows(m) - m) / m for m in range(lo, hi + 1))
     rows = []
     for n in args.out_dims:
         w = mx.random.normal((n, args.hidden)).astype(dtype)

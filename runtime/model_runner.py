@@ -15,7 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .attention import PADDING_FREE, available, build_metadata, get_backend, install_hook, resolve_backend
-from .attention.metadata import ROW_PAD_STEPS, padded_size
+from .attention.metadata import padded_rows
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
@@ -91,7 +91,7 @@ class ModelRunner:
         # to few shapes or does without it (`make_group`).
         self.plan_per_shape = available("cuda")
         # There MLX's matmuls plan per shape as well: uncompiled steps pad their packed
-        # rows, and the rows they compute logits for, to a grid (`ROW_PAD_STEPS`).
+        # rows, and the rows they compute logits for, to a grid (`padded_rows`).
         self.pad_rows = self.plan_per_shape
         install_hook(model)
         self._split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
@@ -163,7 +163,7 @@ class ModelRunner:
         if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows) \
                 and not prompt_spans and self.decode_graph.accepts(t):
             return self.decode_graph(inputs, tables, starts)
-        pad = padded_size(t, 16, ROW_PAD_STEPS) - t if self.pad_rows else 0
+        pad = padded_rows(t) - t if self.pad_rows else 0
         if pad:
             inputs = mx.concatenate([inputs, mx.zeros((pad,), dtype=inputs.dtype)])
         self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
@@ -179,7 +179,7 @@ class ModelRunner:
         if n == t + pad and not prompt_spans:   # every row samples, in order
             return self._logits(inputs[:, None], None, split)
         if self.pad_rows:   # the logits' rows on a grid too; the extra ones repeat the last
-            rows = rows + rows[-1:] * (padded_size(n, 8, ROW_PAD_STEPS) - n)
+            rows = rows + rows[-1:] * (padded_rows(n, 8) - n)
         logits = self._logits(inputs[:, None], mx.array(rows, dtype=mx.int32), split)
         return logits if len(rows) == n else logits[:n]
 
