@@ -1,6 +1,7 @@
 """Prefill attention where MLX's fused attention builds a plan per input shape (CUDA):
 fused SDPA on padded shapes (`PAD_STEPS` sizes an octave, and, as `fused-pow2`, powers
-of two), against two matmuls and a softmax, unpadded.
+of two), against two matmuls and a softmax (padded to a finer grid since d9b676d: the
+matmuls plan per shape too).
 
 Each case is one prefill group as the runner builds it (`build_metadata`): `batch`
 sequences, each `queries` new tokens at the end of a `context`-token context in the

@@ -23,11 +23,12 @@ import numpy as np
 SPLIT_RATIO = 0.5
 # Where MLX's fused attention builds a plan per input shape (CUDA), a prefill group of
 # at most this many queries a sequence (prefix-cache hits, chat turns) is attended by two
-# matmuls instead: no plan, so no padding either. A plan cost 40-66 ms for each shape a
-# process met first; the matmuls' first call 1-9 ms, and once warm 1.2-2.2x fused
-# attention's time (1.47x, +0.25 ms a layer, for 8 hits of 84 tokens over 2k; H200,
-# Llama-3.2-1B geometry, `bench/prefill_plans.py`): a stall per new shape traded for a
-# few milliseconds a hit step. Longer groups cost 1.4-3.4x unfused.
+# matmuls instead: no attention plan, and a finer grid of shapes than fused attention
+# needs (`ROW_PAD_STEPS`, below), since the matmuls plan per shape too. A plan cost
+# 40-66 ms for each shape a process met first; the matmuls' first call 1-9 ms, and once
+# warm 1.2-2.2x fused attention's time (1.47x, +0.25 ms a layer, for 8 hits of 84 tokens
+# over 2k; H200, Llama-3.2-1B geometry, `bench/prefill_plans.py`): a stall per new shape
+# traded for a few milliseconds a hit step. Longer groups cost 1.4-3.4x unfused.
 UNFUSED_MAX_QUERIES = 128
 # A longer prefill group there is padded to powers of two in sequences, queries and key
 # blocks: few shapes, so few plans. Past `FINE_PAD_QUERIES` queries a sequence it is
