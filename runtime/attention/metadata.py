@@ -49,9 +49,9 @@ PAD_STEPS = 4
 # an octave, in steps of at most `ROW_PAD_MAX_STEP` rows: under an eighth of a small
 # step's rows wasted, under 1 % of a 16k-token one's, where compute is what counts;
 # about 170 sizes up to 16,384), and unfused groups to grids (a quarter at most of a
-# group's queries). With ragged prompt lengths a prefix hit's
-# first token came 31 % sooner (21.2 -> 14.7 ms in the engine at 8 streams; H100,
-# `bench/hit_profile.py --jitter 0.5`); with even ones, within noise.
+# group's queries). With ragged prompt lengths a prefix hit's first token came 17-31 %
+# sooner (21.9 -> 18.1 and 21.2 -> 14.7 ms in the engine at 8 streams; H100,
+# `bench/hit_profile.py --jitter 0.5`, both orders); with even ones, within noise.
 ROW_PAD_STEPS = 8
 ROW_PAD_MAX_STEP = 128
 
@@ -139,19 +139,20 @@ def _group_bounds(lengths: list[int], ctx: np.ndarray, split_decodes: bool) -> l
     return bounds
 
 
-def padded_size(n: int, least: int, steps: int) -> int:
+def padded_size(n: int, least: int, steps: int, max_step: int | None = None) -> int:
     """The smallest size at or above `n` and `least` on a grid of `steps` sizes an octave
-    (multiples of 2^k / steps in (2^(k-1), 2^k]); `steps` 1 gives the power of two."""
+    (multiples of 2^k / steps in (2^(k-1), 2^k]); `steps` 1 gives the power of two.
+    `max_step` caps the grid's step: past it, sizes are its multiples."""
     n = max(n, least)
     quantum = max(1, (1 << (n - 1).bit_length()) // (2 * steps))
+    if max_step is not None:
+        quantum = min(quantum, max_step)
     return -(-n // quantum) * quantum
 
 
 def padded_rows(n: int, least: int = 16) -> int:
     """A step's row count on the grid of row counts (see `ROW_PAD_STEPS`)."""
-    n = max(n, least)
-    step = min(ROW_PAD_MAX_STEP, max(1, (1 << (n - 1).bit_length()) // (2 * ROW_PAD_STEPS)))
-    return -(-n // step) * step
+    return padded_size(n, least, ROW_PAD_STEPS, ROW_PAD_MAX_STEP)
 
 
 def flatten(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -197,7 +198,8 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     limit = UNFUSED_MAX_QUERIES if unfused_max_queries is None else unfused_max_queries
     unfused = plan_per_shape and 1 < lq <= limit
     if unfused:   # its matmuls plan per shape too: a grid
-        rows_n, lq_n, width = padded_size(n, 1, 1), padded_size(lq, 16, PAD_STEPS), padded_size(width, 4, ROW_PAD_STEPS)
+        rows_n, lq_n = padded_size(n, 1, 1), padded_size(lq, 16, PAD_STEPS)
+        width = padded_size(width, 4, ROW_PAD_STEPS)
     elif plan_per_shape and lq > max(1, limit):
         steps = PAD_STEPS if pad_steps is None else pad_steps
         if lq <= FINE_PAD_QUERIES:
