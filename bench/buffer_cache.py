@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_meta, run_ours, workload  # noqa: E402
+from bench.bench_continuous_vs_static import (RESULTS, resolve_model, run_meta, run_ours, workload,  # noqa: E402
+                                              write_result)
 
 from runtime import EngineConfig, LLMEngine  # noqa: E402
 
@@ -127,12 +128,9 @@ def main(argv=None) -> None:
         print(f"  {x['limit']:>8} {x['cache_limit_bytes'] / 2**30:8.2f} {x['output_tok_s']:9.1f} "
               f"{x[f'vs_{args.limits_gb[0]}']:6.3f} {x['cache_bytes_max'] / 2**30:14.2f} "
               f"{x['held_bytes_max'] / 2**30:13.2f}")
-    out = Path(args.results_dir) / f"buffer_cache_{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = run_meta(args)
     meta.update(mlx_cache_limit_bytes=mlx_default, engine_default_bytes=engine_default)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
-    print(f"wrote {out}")
+    write_result(args.results_dir, f"buffer_cache_{args.tag}.json", {"meta": meta, "rows": rows, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_continuous_vs_static import RESULTS, resolve_model, run_meta, run_mlx_lm, run_ours  # noqa: E402
+from bench.bench_continuous_vs_static import (RESULTS, resolve_model, run_meta, run_mlx_lm, run_ours,  # noqa: E402
+                                              write_result)
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -125,12 +126,9 @@ def main(argv=None) -> None:
         print(f"{r['case']:>18} {r['system']:>22} {r['kv_bytes_peak'] / 2**20:12.2f} "
               f"{r['prompt_tokens_computed']:>10d} of {r['prompt_tokens']:<10d} {r['output_tok_s']:8.1f} "
               f"{r['ttft_p50_s'] * 1e3:12.1f}")
-    out = Path(args.results_dir) / f"kv_sharing_{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = run_meta(args)
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
+    write_result(args.results_dir, f"kv_sharing_{args.tag}.json", {"meta": run_meta(args), "summary": summary,
+                                                                    "rows": rows})
 
 
 if __name__ == "__main__":

@@ -47,29 +47,20 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
         engine.step()
     # The host blocks on the device in two places: waiting for the step in flight
     # before queueing the next one, and reading back sampled tokens.
-    waited = [0.0]
+    waited, processed = [0.0], [0.0]
 
-    def timed(fn):
+    def timed(fn, into: list[float]):
         def run(*args):
             t = time.perf_counter()
             out = fn(*args)
-            waited[0] += time.perf_counter() - t
+            into[0] += time.perf_counter() - t
             return out
         return run
 
-    engine.runner.wait, engine.runner.collect = timed(ModelRunner.wait), timed(ModelRunner.collect)
+    engine.runner.wait, engine.runner.collect = timed(ModelRunner.wait, waited), timed(ModelRunner.collect, waited)
     # Token processing (detokenizing, stop checks, making outputs), on whichever thread
     # runs it: host work that is the same on any device.
-    processed = [0.0]
-    process = engine._process
-
-    def timed_process(*args):
-        t = time.perf_counter()
-        out = process(*args)
-        processed[0] += time.perf_counter() - t
-        return out
-
-    engine._process = timed_process
+    engine._process = timed(engine._process, processed)
     engine.output_wanted = (lambda request_id: False) if served_outputs == "due" else None
     prof = cProfile.Profile() if use_cprofile else None
     if prof:
