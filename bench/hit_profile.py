@@ -16,70 +16,20 @@ processing tokens.
 
 import argparse
 import cProfile
-import pstats
 import random
 import statistics
 import sys
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_continuous_vs_static import COMPILE, RESULTS, resolve_model, run_meta, write_result  # noqa: E402
+from bench.step_clock import PARTS, StepClock, top_functions  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-
-PARTS = ("schedule", "build", "queue", "wait", "process")
-
-
-class StepClock:
-    """Wraps the engine's step parts in timers (instance attributes over the methods)
-    and files each step's times under the kind of batch it built."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.cur = dict.fromkeys(PARTS, 0.0)
-        self.kind = "idle"
-        self.steps: dict[str, list[dict]] = defaultdict(list)
-        sched, runner = engine.scheduler, engine.runner
-        self._orig = [(sched, "schedule"), (runner, "build"), (runner, "queue"), (runner, "wait"),
-                      (runner, "collect"), (engine, "_process")]
-        sched.schedule = self._timed(sched.schedule, "schedule", self._classify)
-        runner.build = self._timed(runner.build, "build")
-        runner.queue = self._timed(runner.queue, "queue")
-        runner.wait = self._timed(runner.wait, "wait")
-        runner.collect = self._timed(runner.collect, "wait")
-        engine._process = self._timed(engine._process, "process")
-
-    def _classify(self, out):
-        self.kind = "idle" if not out else (
-            "mixed" if any(s.num_tokens > 1 for s in out.scheduled) else "decode")
-
-    def _timed(self, fn, part, after=None):
-        def run(*args, **kw):
-            t = time.perf_counter()
-            out = fn(*args, **kw)
-            self.cur[part] += time.perf_counter() - t
-            if after is not None:
-                after(out)
-            return out
-        return run
-
-    def step(self):
-        self.cur = dict.fromkeys(PARTS, 0.0)
-        t = time.perf_counter()
-        outs = self.engine.step()
-        row = {k: v * 1e3 for k, v in self.cur.items()}
-        row["wall"] = (time.perf_counter() - t) * 1e3
-        self.steps[self.kind].append(row)
-        return outs
-
-    def close(self):
-        for obj, name in self._orig:
-            del obj.__dict__[name]
 
 
 def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: list[list[int]],
@@ -203,11 +153,7 @@ def main(argv=None):
     out = {**run_meta(args), "attention_backend": engine.runner.attention_backend,
            "pad_rows_auto": auto, "ttft_ratio_miss_over_hit": ratios, "rows": rows}
     if prof:
-        stats = pstats.Stats(prof)
-        n = rows[1]["steps"]
-        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
-        out["hit_top_ms_per_step"] = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", round(v[2] / n * 1e3, 3))
-                                      for k, v in top]
+        out["hit_top_ms_per_step"] = top_functions(prof, rows[1]["steps"], 25)
         for name, ms in out["hit_top_ms_per_step"]:
             print(f"{ms:8.3f} ms/step  {name}")
     write_result(args.results_dir, f"hit_profile_{args.tag}.json", out)

@@ -14,7 +14,6 @@ outputs as a server asks for them, every step or only when due (a paced stream).
 import argparse
 import cProfile
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -22,10 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_continuous_vs_static import COMPILE, RESULTS, resolve_model  # noqa: E402
+from bench.step_clock import StepClock, top_functions  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from runtime.model_runner import ModelRunner  # noqa: E402
 
 
 def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cprofile: bool,
@@ -45,22 +44,11 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
         engine.step()
     for _ in range(3):
         engine.step()
-    # The host blocks on the device in two places: waiting for the step in flight
-    # before queueing the next one, and reading back sampled tokens.
-    waited, processed = [0.0], [0.0]
-
-    def timed(fn, into: list[float]):
-        def run(*args):
-            t = time.perf_counter()
-            out = fn(*args)
-            into[0] += time.perf_counter() - t
-            return out
-        return run
-
-    engine.runner.wait, engine.runner.collect = timed(ModelRunner.wait, waited), timed(ModelRunner.collect, waited)
-    # Token processing (detokenizing, stop checks, making outputs), on whichever thread
-    # runs it: host work that is the same on any device.
-    engine._process = timed(engine._process, processed)
+    # The host blocks on the device in two places, both under "wait": waiting for the
+    # step in flight before queueing the next one, and reading back sampled tokens.
+    # Token processing (detokenizing, stop checks, making outputs; "process") is timed
+    # on whichever thread runs it: host work that is the same on any device.
+    clock = StepClock(engine)
     engine.output_wanted = (lambda request_id: False) if served_outputs == "due" else None
     prof = cProfile.Profile() if use_cprofile else None
     if prof:
@@ -70,7 +58,7 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
     active = mx.get_active_memory()
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        clock.step()
     wall = time.perf_counter() - t0
     mx.synchronize()
     # A step that copied the pool instead of updating it in place would need a
@@ -78,21 +66,19 @@ def profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int, use_cpro
     extra = mx.get_peak_memory() - active
     if prof:
         prof.disable()
-    del engine.runner.wait, engine.runner.collect, engine._process   # back to the class's methods
+    clock.close()
     engine.output_wanted = None
     for rid in list(engine.requests):
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    row = {"batch": batch, "step_ms": wall / steps * 1e3, "wait_ms": waited[0] / steps * 1e3,
-           "host_ms": (wall - waited[0]) / steps * 1e3, "process_ms": processed[0] / steps * 1e3,
+    waited = clock.total("wait")
+    row = {"batch": batch, "step_ms": wall / steps * 1e3, "wait_ms": waited / steps,
+           "host_ms": (wall * 1e3 - waited) / steps, "process_ms": clock.total("process") / steps,
            "tok_s": batch * steps / wall,
            "peak_over_active_mb": extra / 2**20, "pool_layer_array_mb": engine.runner.pool.keys[0].nbytes / 2**20}
     if prof:
-        stats = pstats.Stats(prof)
-        stats.sort_stats("tottime")
-        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
-        row["top"] = [(f"{k[0].split('/')[-1]}:{k[2]}", round(v[2] / steps * 1e3, 3)) for k, v in top]
+        row["top"] = top_functions(prof, steps, 12)
     return row
 
 
