@@ -176,7 +176,7 @@ class ModelRunner:
             self.ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
         n = len(rows)
-        if n == t + pad and not prompt_spans:   # every row samples, in order
+        if n == t and not pad and not prompt_spans:   # every row samples, in order, none pads
             return self._logits(inputs[:, None], None, split)
         if self.pad_rows:   # the logits' rows on a grid too; the extra ones repeat the last
             rows = rows + rows[-1:] * (padded_rows(n, 8) - n)
