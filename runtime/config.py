@@ -16,6 +16,10 @@ class EngineConfig:
     `compile_decode` runs decode-only steps through `mx.compile` (decode_graph.py);
     None turns it on where it was measured to pay: every decode step with the fused
     CUDA kernel, decode steps of up to 8 sequences with `gather`.
+    `graph_prefill_tokens`: prefill chunks of up to this many tokens (prefix-cache
+    hits, chat turns) run in that compiled graph beside the step's decodes, one row a
+    token, where the step's rows fit a batch bucket traced at start-up (start-up
+    traces up to `max_num_seqs` plus this many rows); 0 runs every prefill eagerly.
     `fuse_projections` concatenates each layer's q/k/v and gate/up weights, so each
     set is one matmul (models/fuse.py). `device` ("cpu" or "gpu") overrides MLX's
     default device for the engine's process, e.g. to run replicas on a host's cores.
@@ -41,6 +45,7 @@ class EngineConfig:
     enable_continuous_batching: bool = True
     attention_backend: str = "auto"
     compile_decode: bool | None = None
+    graph_prefill_tokens: int = 0
     fuse_projections: bool = True
     async_scheduling: bool = True
     seed: int = 0
@@ -62,6 +67,8 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks must be at least 1")
         if self.device not in (None, "cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.graph_prefill_tokens < 0:
+            raise ValueError("graph_prefill_tokens must be at least 0")
         if self.buffer_cache_bytes is not None and self.buffer_cache_bytes < 0:
             raise ValueError("buffer_cache_bytes must be at least 0")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

@@ -10,6 +10,10 @@ nothing), else to a multiple of `GATHER_WIDTH_STEP` blocks, since a gathering ba
 reads every padded block. Padding rows write their K/V into the pool's scratch slot and
 attend one key; their logits are dropped. The KV pool is the compiled function's
 state, so its scatter updates stay in place: the pool is not copied per step.
+
+A row need not be a decode: a short prefill chunk can run as one row a token
+(`ModelRunner.graph_prefill_tokens`), since every row's K/V is written before any row
+attends, and each row attends its sequence up to its own position.
 """
 
 from typing import Callable
@@ -41,6 +45,7 @@ class DecodeGraph:
         self._fn = mx.compile(self._trace, inputs=self._state, outputs=self._state)
         self.traced: set[tuple[int, int]] = set()   # (batch, width) buckets traced so far
         self.used: set[tuple[int, int]] = set()     # buckets steps have run in
+        self.warm_batch = 0                         # the largest batch bucket `warm_up` traced
 
     def _trace(self, tokens, positions, slots, tables, context_lens):
         b, width = tables.shape
@@ -54,6 +59,10 @@ class DecodeGraph:
 
     def accepts(self, batch: int) -> bool:
         return self.max_batch is None or batch <= self.max_batch
+
+    def warm(self, rows: int) -> bool:
+        """Whether `rows` rows fall in a batch bucket that start-up traced."""
+        return padded_size(rows, 1, 1) <= self.warm_batch
 
     def _width(self, blocks: int) -> int:
         if self.padding_free:
@@ -82,12 +91,14 @@ class DecodeGraph:
                                   mx.zeros((b, w), dtype=mx.int32), mx.ones((b,), dtype=mx.int32))
                 mx.eval(logits, self._state)
                 self.traced.add((b, w))
+        self.warm_batch = max(self.warm_batch, batches[-1])
         return len(batches) * len(widths)
 
     def __call__(self, tokens: mx.array, tables: list[list[int]], positions: list[int]) -> mx.array:
-        """One decode token per sequence: `tokens` (B,) the inputs, `tables` each
-        sequence's block ids, `positions` where each input sits. Returns lazy (B, V)
-        logits."""
+        """One query per row: `tokens` (B,) the inputs, `tables` each row's block ids,
+        `positions` where each input sits. Returns lazy (B, V) logits. Rows of one
+        sequence (a short prefill chunk, one row a token) each attend up to their own
+        position: every row's K/V is in the pool before any row attends."""
         b, bs = len(tables), self.block_size
         bp = padded_size(b, 1, 1)
         blocks, widths = flatten(tables)

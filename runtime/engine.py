@@ -126,12 +126,15 @@ class LLMEngine:
         self.num_blocks = self._num_blocks(per_block)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
-                                  config.attention_backend, config.compile_decode)
+                                  config.attention_backend, config.compile_decode,
+                                  config.graph_prefill_tokens)
         self.runner.verify()
         self.buffer_cache_limit = bound_buffer_cache(config.buffer_cache_bytes, self.runner.pool.nbytes)
         if self.runner.decode_graph is not None:
             t = time.perf_counter()
-            n = self.runner.decode_graph.warm_up(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+            # Room for a short prefill chunk beside a full batch of decodes.
+            n = self.runner.decode_graph.warm_up(config.max_num_seqs + config.graph_prefill_tokens,
+                                                 -(-self.max_model_len // config.block_size))
             log.info("compiled decode: %d shape buckets traced in %.1f s", n, time.perf_counter() - t)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self._grammars: GrammarCompiler | None = None   # made by `warm_grammars` or the first structured request

@@ -75,7 +75,8 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 attention_backend: str = "gather", compile_decode: bool | None = False):
+                 attention_backend: str = "gather", compile_decode: bool | None = False,
+                 graph_prefill_tokens: int = 0):
         self.model = model
         self.block_size = block_size
         num_layers, kv_heads, head_dim = kv_geometry(model)
@@ -110,6 +111,11 @@ class ModelRunner:
         if compile_decode:
             self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free,
                                             max_batch)
+        # Prefill chunks of up to this many tokens (prefix-cache hits, chat turns) join
+        # a step's decodes in the compiled graph, one row a token, where the step fits a
+        # bucket traced at start-up: such a step is host-bound, and eagerly it builds and
+        # encodes the whole model's kernels one by one. 0: they run eagerly.
+        self.graph_prefill_tokens = graph_prefill_tokens
 
     def _decode_logits(self, inputs: mx.array) -> mx.array:
         return self._logits(inputs, None, self._split_head)
@@ -131,8 +137,8 @@ class ModelRunner:
         the prompt positions in `prompt_spans` ((seq, first, count, row), see `PromptRows`).
         An input token still in flight (`PLACEHOLDER`) is read from `prev`'s sampled
         tokens on the device, so this step can be queued before the previous one is read
-        back. A step of decodes only goes through the compiled decode graph when there
-        is one."""
+        back. A step of decodes goes through the compiled decode graph when there is
+        one, and so may one with short prefill chunks beside them (`_through_graph`)."""
         tables, starts, lengths, tokens, rows, ends = [], [], [], [], [], []
         fill_rows, fill_src = [], []
         t = 0
@@ -160,9 +166,12 @@ class ModelRunner:
             inputs = mx.array(np.asarray(tokens, dtype=np.int32))
             if fill_rows:
                 inputs[mx.array(fill_rows)] = prev.result.tokens[mx.array(fill_src)]
-        if self.decode_graph is not None and split_head is None and t == len(scheduled) == len(rows) \
-                and not prompt_spans and self.decode_graph.accepts(t):
-            return self.decode_graph(inputs, tables, starts)
+        if self._through_graph(scheduled, t, split_head, prompt_spans):
+            if t > len(scheduled):   # prefill chunks: a row a token, each with its sequence's table
+                tables = [tb for s, tb in zip(scheduled, tables) for _ in range(s.num_tokens)]
+                starts = [p for s in scheduled for p in range(s.start, s.start + s.num_tokens)]
+            logits = self.decode_graph(inputs, tables, starts)
+            return logits if len(rows) == t else logits[mx.array(rows, dtype=mx.int32)]
         pad = padded_rows(t) - t if self.pad_rows else 0
         if pad:
             inputs = mx.concatenate([inputs, mx.zeros((pad,), dtype=inputs.dtype)])
@@ -182,6 +191,18 @@ class ModelRunner:
             rows = rows + rows[-1:] * (padded_rows(n, 8) - n)
         logits = self._logits(inputs[:, None], mx.array(rows, dtype=mx.int32), split)
         return logits if len(rows) == n else logits[:n]
+
+    def _through_graph(self, scheduled: list[ScheduledSeq], t: int, split_head: bool | None,
+                       prompt_spans) -> bool:
+        """Whether a step of `t` rows runs through the compiled decode graph: decodes
+        only, or with short prefill chunks beside them (`graph_prefill_tokens`) if its
+        rows fit a warm bucket. Prompt logprobs and the start-up check run eagerly."""
+        graph = self.decode_graph
+        if graph is None or split_head is not None or prompt_spans or not graph.accepts(t):
+            return False
+        if t == len(scheduled):
+            return True
+        return max(s.num_tokens for s in scheduled) <= self.graph_prefill_tokens and graph.warm(t)
 
     def _sampled_rows(self, rows: list[int], ends: list[tuple[int, list[int]]]) -> SampledRows:
         """The sampling rows (each sequence's end and block table in `ends`) as one-token

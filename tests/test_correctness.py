@@ -45,6 +45,23 @@ def _prompt(rng, n, vocab=384):
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def _staggered(engine, prompts, every: int, count) -> dict:
+    """Run `prompts` as requests r0, r1, ... to the end, admitting `count()` of them
+    every `every` steps; their final outputs by request id."""
+    outs, pending, steps = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % every == 0:
+            n = count()
+            for i, p in pending[:n]:
+                engine.add_request(f"r{i}", None, _params(), prompt_token_ids=p)
+            del pending[:n]
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+    return outs
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3", "llama-4bit"])
 def arch(request, model_dirs):
     return request.param, model_dirs[request.param]
@@ -75,19 +92,7 @@ def test_concurrent_staggered_prefix_chunked_preempted(arch, monkeypatch):
         prompts.append(shared[: rng.choice([0, 16, 32, 40])] + tail)
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=24, block_size=8,
                                     max_num_batched_tokens=24, max_num_seqs=16))
-    outs = {}
-    pending = list(enumerate(prompts))
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % 2 == 0:
-            for _ in range(rng.randrange(1, 4)):
-                if pending:
-                    i, p = pending.pop(0)
-                    engine.add_request(f"r{i}", None, _params(), prompt_token_ids=p)
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-        steps += 1
+    outs = _staggered(engine, prompts, 2, lambda: rng.randrange(1, 4))
     s = engine.stats()
     assert s["preemptions"] > 0, "the pool was meant to force preemption"
     assert s["prefix_cache_hit_tokens"] > 0
@@ -259,21 +264,47 @@ def test_compiled_decode_matches(arch):
     warm = set(engine.runner.decode_graph.traced)
     rng = random.Random(11)
     prompts = [_prompt(rng, rng.randrange(1, 30)) for _ in range(9)]
-    outs, pending, steps = {}, list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % 3 == 0:
-            for i, p in pending[:2]:
-                engine.add_request(f"r{i}", None, _params(), prompt_token_ids=p)
-            del pending[:2]
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-        steps += 1
+    outs = _staggered(engine, prompts, 3, lambda: 2)
     graph = engine.runner.decode_graph
     assert graph.used <= warm, "a step traced a bucket that start-up warm-up had not"
     assert any(b & (b - 1) == 0 and b > 2 for b, _ in graph.used), graph.used
     assert len(graph.used) > 2, "batches were meant to change size"
     assert engine.stats()["preemptions"] > 0
+    assert engine.stats()["num_blocks_held_by_requests"] == 0
+    for i, p in enumerate(prompts):
+        _check(engine, outs[f"r{i}"], p, TOL[name])
+
+
+def test_short_prefill_chunks_in_the_compiled_graph_match(arch, monkeypatch):
+    """With `graph_prefill_tokens`, prefix hits' suffixes and short prompts join running
+    decodes in the compiled graph, one row a token, each row attending its own
+    sequence up to its position; longer chunks run eagerly beside. Tokens and logprobs
+    stay mlx-lm's, and no step traces a batch bucket start-up had not."""
+    from runtime.decode_graph import DecodeGraph
+
+    with pytest.raises(ValueError, match="graph_prefill_tokens"):
+        EngineConfig(graph_prefill_tokens=-1)
+    calls = []
+    call = DecodeGraph.__call__
+
+    def spy(self, tokens, tables, positions):
+        calls.append((len(tables), len({tuple(t) for t in tables})))
+        return call(self, tokens, tables, positions)
+
+    monkeypatch.setattr(DecodeGraph, "__call__", spy)
+    name, path = arch
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=96, block_size=8, max_num_batched_tokens=64,
+                                    max_num_seqs=8, compile_decode=True, graph_prefill_tokens=6))
+    graph = engine.runner.decode_graph
+    warm = {b for b, _ in graph.traced}
+    rng = random.Random(17)
+    shared = _prompt(rng, 40)
+    engine.generate([shared + _prompt(rng, 2)], _params(1))
+    prompts = [_prompt(rng, 30), shared + _prompt(rng, 3), shared + _prompt(rng, 9), _prompt(rng, 5),
+               shared + _prompt(rng, 1), shared + _prompt(rng, 6), _prompt(rng, 20)]
+    outs = _staggered(engine, prompts, 3, lambda: 1)
+    assert any(rows > seqs for rows, seqs in calls), "no prefill chunk ran in the compiled graph"
+    assert {b for b, _ in graph.used} <= warm
     assert engine.stats()["num_blocks_held_by_requests"] == 0
     for i, p in enumerate(prompts):
         _check(engine, outs[f"r{i}"], p, TOL[name])
