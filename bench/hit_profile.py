@@ -113,14 +113,22 @@ def main(argv=None):
     ap.add_argument("--pad-rows", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="a step's rows padded to a grid (auto: where matmuls plan per shape, CUDA); "
                          "each given mode runs its warm-up and both passes on the one engine")
-    ap.add_argument("--cprofile", action="store_true", help="top host functions of the first hit pass")
+    ap.add_argument("--cprofile", nargs="?", const="hit", choices=["hit", "miss"],
+                    help="top host functions of the first hit (or miss) pass")
+    ap.add_argument("--graph-prefill-tokens", type=int, default=0,
+                    help="prefill chunks of up to this many tokens run in the compiled decode graph")
+    ap.add_argument("--buffer-cache-gb", type=float, default=None,
+                    help="MLX's buffer cache limit (default: the engine's, bounded by its KV pool)")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=resolve_model(args.model), max_num_seqs=max(args.streams, 8),
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
-                                    compile_decode=COMPILE[args.compile_decode]))
+                                    compile_decode=COMPILE[args.compile_decode],
+                                    graph_prefill_tokens=args.graph_prefill_tokens,
+                                    buffer_cache_bytes=None if args.buffer_cache_gb is None
+                                    else int(args.buffer_cache_gb * 2**30)))
     rng = random.Random(0)
     # With --jitter the prefixes' lengths differ too, not all a whole number of blocks.
     prefixes = [[rng.randrange(3, engine.vocab_size) for _ in range(args.prefix_len + (7 * i if args.jitter else 0))]
@@ -134,8 +142,8 @@ def main(argv=None):
         warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.streams})
         run_pass(engine, "miss", warm, rng, prefixes, None)
         run_pass(engine, "hit", warm, rng, prefixes, None)
-        miss, hit = (run_pass(engine, "miss", args, rng, prefixes, None),
-                     run_pass(engine, "hit", args, rng, prefixes, prof if i == 0 else None))
+        miss, hit = (run_pass(engine, "miss", args, rng, prefixes, prof if i == 0 and args.cprofile == "miss" else None),
+                     run_pass(engine, "hit", args, rng, prefixes, prof if i == 0 and args.cprofile == "hit" else None))
         for r in (miss, hit):
             r["pad_rows"] = mode
         rows += [miss, hit]
@@ -153,8 +161,9 @@ def main(argv=None):
     out = {**run_meta(args), "attention_backend": engine.runner.attention_backend,
            "pad_rows_auto": auto, "ttft_ratio_miss_over_hit": ratios, "rows": rows}
     if prof:
-        out["hit_top_ms_per_step"] = top_functions(prof, rows[1]["steps"], 25)
-        for name, ms in out["hit_top_ms_per_step"]:
+        key = f"{args.cprofile}_top_ms_per_step"
+        out[key] = top_functions(prof, rows[args.cprofile == "hit"]["steps"], 25)
+        for name, ms in out[key]:
             print(f"{ms:8.3f} ms/step  {name}")
     write_result(args.results_dir, f"hit_profile_{args.tag}.json", out)
 

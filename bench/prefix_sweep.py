@@ -129,6 +129,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefix-concurrency", type=int, default=4)
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--graph-prefill-tokens", type=int, default=0,
+                    help="the engines' graph_prefill_tokens (prefill chunks in the compiled decode graph)")
     ap.add_argument("--results-dir", default=str(compare.RESULTS))
     ap.add_argument("--replot", action="store_true", help="only redo the plot from the JSON")
     args = ap.parse_args(argv)
@@ -146,6 +148,8 @@ def main(argv=None) -> None:
     extra = sb.eos_logit_bias(tok)
     engine = {"max_num_seqs": max(64, args.prefix_concurrency), "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30)}
+    if args.graph_prefill_tokens:
+        engine["graph_prefill_tokens"] = args.graph_prefill_tokens
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {**run_meta(args), "host": {}}
     rows: list[dict] = []
