@@ -116,6 +116,8 @@ class ModelRunner:
         # bucket traced at start-up: such a step is host-bound, and eagerly it builds and
         # encodes the whole model's kernels one by one. 0: they run eagerly.
         self.graph_prefill_tokens = graph_prefill_tokens
+        if graph_prefill_tokens and self.decode_graph is None:
+            log.warning("graph_prefill_tokens does nothing without compile_decode: no graph to run in")
 
     def _decode_logits(self, inputs: mx.array) -> mx.array:
         return self._logits(inputs, None, self._split_head)

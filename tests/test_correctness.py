@@ -275,7 +275,7 @@ def test_compiled_decode_matches(arch):
         _check(engine, outs[f"r{i}"], p, TOL[name])
 
 
-def test_short_prefill_chunks_in_the_compiled_graph_match(arch, monkeypatch):
+def test_short_prefill_chunks_in_the_compiled_graph_match(arch, monkeypatch, caplog):
     """With `graph_prefill_tokens`, prefix hits' suffixes and short prompts join running
     decodes in the compiled graph, one row a token, each row attending its own
     sequence up to its position; longer chunks run eagerly beside. Tokens and logprobs
@@ -284,6 +284,10 @@ def test_short_prefill_chunks_in_the_compiled_graph_match(arch, monkeypatch):
 
     with pytest.raises(ValueError, match="graph_prefill_tokens"):
         EngineConfig(graph_prefill_tokens=-1)
+    name, path = arch
+    with caplog.at_level("WARNING", logger="runtime.model_runner"):
+        LLMEngine(EngineConfig(model=path, num_gpu_blocks=16, compile_decode=False, graph_prefill_tokens=4))
+    assert "does nothing without compile_decode" in caplog.text
     calls = []
     call = DecodeGraph.__call__
 
@@ -292,7 +296,6 @@ def test_short_prefill_chunks_in_the_compiled_graph_match(arch, monkeypatch):
         return call(self, tokens, tables, positions)
 
     monkeypatch.setattr(DecodeGraph, "__call__", spy)
-    name, path = arch
     engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=96, block_size=8, max_num_batched_tokens=64,
                                     max_num_seqs=8, compile_decode=True, graph_prefill_tokens=6))
     graph = engine.runner.decode_graph
