@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 # CPU backend, queuing a step computes it, so with an `output_sink` every step hands off:
 # inline, a step's outputs would wait for the next step's compute, a whole prefill of new
 # arrivals at times (served, 16 streams on the 2-core CI host: TTFT p50 209 against 588
-# ms, 722 against 622 tok/s).
+# ms, 722 against 622 tok/s). On a GPU a small step that samples some request's first
+# token hands off too: inline, that token would wait for the next step's queuing, 4-9
+# ms on an H100 (`hit_profile_gpu_h100_cprofile.json`), added to its time to first token.
 OVERLAP_MIN_SEQS = 32
 # Upper bounds (seconds) of the step-duration histogram in `stats()`. A step normally
 # takes milliseconds; one that stalls the loop (a kernel compiled or an attention plan
@@ -361,7 +363,8 @@ class LLMEngine:
         # before any hand-off: returning from an MLX call takes the GIL back, and the
         # worker holds it while it runs.
         self.runner.wait()
-        hand_off = len(tokens) >= OVERLAP_MIN_SEQS or (self.output_sink is not None and self._queue_computes)
+        hand_off = len(tokens) >= OVERLAP_MIN_SEQS or (
+            self.output_sink is not None and (self._queue_computes or self._samples_first_token(pending)))
         if not hand_off:
             self.runner.queue(then)
             return self._process(pending, tokens)
@@ -377,6 +380,10 @@ class LLMEngine:
             self._undelivered = done.result()
             raise
         return done.result()
+
+    @staticmethod
+    def _samples_first_token(pending: PendingStep) -> bool:
+        return any(pos == seq.num_prompt_tokens for seq, pos in zip(pending.seqs, pending.positions))
 
     def _process_and_send(self, pending: PendingStep, tokens: list) -> list[RequestOutput]:
         """`_process`, then the outputs straight to `output_sink`, from the worker thread

@@ -7,6 +7,8 @@ import math
 import queue
 import threading
 
+import pytest
+
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
 from runtime.engine_loop import EngineLoop
@@ -144,18 +146,22 @@ def test_a_large_steps_outputs_leave_while_the_next_step_is_queued(default_model
     assert any(during_queue) and returned > 0   # large steps early; the last, inline, from step()
 
 
-def test_small_steps_hand_off_where_queuing_computes(default_model):
+@pytest.mark.parametrize("queue_computes", [True, False])
+def test_small_steps_hand_off_where_queuing_computes_or_a_first_token_waits(default_model, queue_computes):
     """On MLX's CPU backend queuing a step computes it, so with a sink even a step of
-    one sequence hands its outputs on from the worker while the next is queued; on a
-    GPU, a small step processes inline."""
+    one sequence hands its outputs on from the worker while the next is queued. On a
+    GPU (queuing only encodes; set here) a small step processes inline, unless it
+    samples a request's first token: that output leaves from the worker while the next
+    step is queued, not after."""
     cfg = EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128)
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = LLMEngine(cfg).generate(["The miller"], p)[0].outputs[0].token_ids
     eng = LLMEngine(cfg)
-    got, from_worker = [], []
+    eng._queue_computes = queue_computes
+    got, handed = [], []   # handed: (from the worker, carried the first token) per sink call
 
     def sink(outputs):
-        from_worker.append(threading.current_thread() is not threading.main_thread())
+        handed.append((threading.current_thread() is not threading.main_thread(), not got))
         got.extend(t for o in outputs for t in o.outputs[0].delta_token_ids)
 
     eng.output_sink = sink
@@ -164,4 +170,7 @@ def test_small_steps_hand_off_where_queuing_computes(default_model):
         got.extend(t for o in eng.step() for t in o.outputs[0].delta_token_ids)
     eng.close()
     assert got == want
-    assert any(from_worker) == eng._queue_computes
+    if queue_computes:
+        assert handed and all(worker for worker, _ in handed)
+    else:
+        assert handed == [(True, True)]
