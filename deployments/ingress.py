@@ -142,9 +142,7 @@ class OpenAIIngress:
             body = model_cls.model_validate(data)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if body.model != self.model_name:
-            raise HTTPError(404, f"the model {body.model!r} does not exist; this server serves "
-                                 f"{self.model_name!r}", param="model", code="model_not_found")
+        self._check_model(body.model)
         await self._check_constraint(body)
         return body
 
@@ -256,6 +254,8 @@ class OpenAIIngress:
             api_key = self._check_auth(request)
             if path == "/v1/models" and method == "GET":
                 return JSONResponse(await self.models())
+            if path.startswith("/v1/models/") and method == "GET":
+                return JSONResponse(await self.model(path.removeprefix("/v1/models/")))
             if path == "/v1/completions" and method == "POST":
                 return await self.completions(await self._body(request, CompletionRequest), api_key, t0)
             if path == "/v1/chat/completions" and method == "POST":
@@ -302,13 +302,23 @@ class OpenAIIngress:
             pass  # serve what we have
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise HTTPError(404, f"the model {model!r} does not exist; this server serves "
+                                 f"{self.model_name!r}", param="model", code="model_not_found")
+
     async def models(self) -> dict:
-        """OpenAI's model list, with vLLM's `root` and `max_model_len` (clients size their
-        context by it)."""
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": self.s["created"], "owned_by": "mlx-paged-serve",
-                                            "root": self.s["model"],
-                                            "max_model_len": (await self.info())["max_model_len"]}]}
+        """OpenAI's model list."""
+        return {"object": "list", "data": [await self.model(self.model_name)]}
+
+    async def model(self, model: str) -> dict:
+        """One model's card (`GET /v1/models/{model}`, the id percent-decoded), with vLLM's
+        `root` and `max_model_len` (clients size their context by it); 404 for a model
+        this server does not serve."""
+        self._check_model(model)
+        return {"id": self.model_name, "object": "model", "created": self.s["created"],
+                "owned_by": "mlx-paged-serve", "root": self.s["model"],
+                "max_model_len": (await self.info())["max_model_len"]}
 
     # -- /tokenize, /detokenize (vLLM's) --------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> dict:

@@ -77,10 +77,15 @@ def test_startup_time_is_reasonable(server):
     assert server.startup_s < 120
 
 
-def test_models_list(client, engine):
+def test_models_list_and_retrieve(client, engine):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == engine.max_model_len   # vLLM's field: the context a client may use
+    assert client.models.retrieve(MODEL).model_dump() == models[0].model_dump()
+    for other in ("gpt-4o", "mlx-community/Llama-3.2-1B-Instruct-4bit"):   # the client escapes the '/'
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(other)
+        assert e.value.body["code"] == "model_not_found" and repr(other) in e.value.body["message"]
 
 
 def test_completion_matches_engine(client, engine):
