@@ -354,6 +354,7 @@ class Bookkeeping(_Strict):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None   # the prefix cache keeps what memory allows
     safety_identifier: str | None = None
 
 

@@ -129,16 +129,18 @@ def test_chat_matches_engine(client, engine):
 
 
 def test_chat_takes_openais_bookkeeping_fields(client, server, front):
-    """`store`, `metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier` and
-    text-only `modalities`, which some clients always send, change nothing; another
-    modality is a 400."""
+    """`store`, `metadata`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention`,
+    `safety_identifier` and text-only `modalities`, which some clients always send, change
+    nothing; another modality, or retention, is a 400."""
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
     plain = client.chat.completions.create(**kw).choices[0].message.content
     r = client.chat.completions.create(**kw, store=False, metadata={"team": "a"}, service_tier="auto",
-                                       prompt_cache_key="k1", safety_identifier="u1", modalities=["text"])
+                                       prompt_cache_key="k1", prompt_cache_retention="24h", safety_identifier="u1",
+                                       modalities=["text"])
     assert r.choices[0].message.content == plain
-    bad = httpx.post(server.urls[front] + "/v1/chat/completions", json={**kw, "modalities": ["audio"]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("modalities")
+    for field, value in (("modalities", ["audio"]), ("prompt_cache_retention", "forever")):
+        bad = httpx.post(server.urls[front] + "/v1/chat/completions", json={**kw, field: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(field)
 
 
 def test_chat_stream_with_usage_and_content_parts(client):
