@@ -49,6 +49,8 @@ log = logging.getLogger("ray.serve")
 # Prompts shorter than `INLINE_PROMPT_CHARS` cost less than the hop to a thread and back.
 TOKENIZE_THREADS = 4
 INLINE_PROMPT_CHARS = 256
+# OpenAI's routes to stored responses and chat completions, under an id: nothing is stored.
+STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
 
 
 class HTTPError(Exception):
@@ -262,6 +264,10 @@ class OpenAIIngress:
                 return await self.chat(await self._body(request, ChatCompletionRequest), api_key, t0)
             if path == "/v1/responses" and method == "POST":
                 return await self.responses(await self._body(request, ResponsesRequest), api_key, t0)
+            if path.startswith(STORED_PATHS) or (path == "/v1/chat/completions" and method == "GET"):
+                raise HTTPError(404, "this server stores no responses or chat completions (every request is "
+                                     "as with store: false), so none can be retrieved, listed, updated or "
+                                     "deleted; send the whole conversation with each request", code="not_found")
             if path == "/tokenize" and method == "POST":
                 return JSONResponse(await self.tokenize(await self._body(request, TokenizeRequest)))
             if path == "/detokenize" and method == "POST":

@@ -872,6 +872,21 @@ R_WEATHER = {"type": "function", **WEATHER["function"]}
 R_CLOCK = {"type": "function", **CLOCK["function"]}
 
 
+def test_stored_objects_get_a_404_that_says_nothing_is_stored(client):
+    """The client's calls on stored responses and chat completions reach routes this
+    server does not serve, since it stores nothing; the error says so."""
+    calls = (lambda: client.responses.retrieve("resp_1"), lambda: client.responses.delete("resp_1"),
+             lambda: client.responses.cancel("resp_1"), lambda: client.responses.input_items.list("resp_1"),
+             lambda: client.chat.completions.retrieve("chatcmpl-1"), lambda: client.chat.completions.list(),
+             lambda: client.chat.completions.update("chatcmpl-1", metadata={"a": "b"}),
+             lambda: client.chat.completions.delete("chatcmpl-1"))
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "stores no responses or chat completions" in e.value.body["message"]
+    assert client.models.list().data   # and the server serves on
+
+
 def test_responses_answers_as_chat_does(client):
     """`/v1/responses` is the chat pipeline: the same text, usage and stop as the chat
     completion of the same messages (instructions as the system message), whole and
