@@ -36,7 +36,7 @@ from .reasoning import ReasoningSplit
 from .responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
                         whole_response)
 from .responses import usage as response_usage
-from .tools import ToolOutput
+from .tools import ToolOutput, auto_constraint
 
 log = logging.getLogger("ray.serve")
 
@@ -154,8 +154,10 @@ class OpenAIIngress:
         of milliseconds, during which llguidance releases the GIL and this loop serves
         other requests."""
         constraint = body.constraint() if hasattr(body, "constraint") else None
-        if constraint is None:
-            return
+        if constraint is not None:
+            await self._validate(constraint)
+
+    async def _validate(self, constraint) -> None:
         if grammar_checked(constraint.spec):
             constraint.validate()
         else:
@@ -449,6 +451,11 @@ class OpenAIIngress:
         params = body.sampling_params(max_tokens, k)
         if mode == "auto":
             params.skip_special_tokens = False   # some families' call markers are special tokens
+            strict = params.structured_outputs is None and auto_constraint(
+                body.tool_defs(), body.parallel_tool_calls, self.tokenizer)
+            if strict:
+                await self._validate(strict)
+                params.structured_outputs = strict
         parser = self._choice_parser(ids, body, mode)
         t_sub = time.monotonic()
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))

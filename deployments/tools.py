@@ -8,7 +8,11 @@ model wrote becomes OpenAI `tool_calls`.
 - `"auto"`: the model writes calls in its own format, between the markers that
   mlx-lm's tokenizer knows for its family (`tool_call_start`, `tool_call_end`), and
   mlx-lm's parser for that family reads them. Text outside the markers is the
-  message's content. A model without such a parser cannot do "auto".
+  message's content. A model without such a parser cannot do "auto". Where a function
+  is `strict` and the family writes JSON between its markers (mlx-lm's `json_tools`:
+  Qwen, Hermes), a grammar leaves the text free and holds each call to one of the
+  functions, a strict one's arguments to its schema (`auto_constraint`); in other
+  formats `strict` is not enforced under "auto", as in vLLM.
 - `"none"`: the tools are shown to the chat template, and nothing is parsed.
 """
 
@@ -17,7 +21,7 @@ import logging
 import re
 import uuid
 
-from runtime.structured_output import StructuredOutputsParams
+from runtime.structured_output import JSON_OPTIONS, StructuredOutputsParams
 
 from .chat_output import partial_marker
 
@@ -56,6 +60,49 @@ def constraint(tools: list[dict], choice: str | None, parallel: bool) -> Structu
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema, param="tools")
+
+
+JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # the format `auto_constraint` can hold
+
+
+def auto_constraint(tools: list[dict], parallel: bool, tokenizer) -> StructuredOutputsParams | None:
+    """For tool_choice "auto" with a `strict` function, in the JSON-between-markers format:
+    any text, and each call (one at most without `parallel`) between the markers as
+    `{"name": ..., "arguments": ...}` naming one of the tools, a strict one's arguments
+    held to its schema, another's to any object. None where no function is strict or
+    the model's format is another. A marker that is one special token is matched as
+    that token; one written as text ends the free text lazily, and the text after the
+    last call may not contain it."""
+    if not any(t.get("strict") for t in tools) or getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS:
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                               "arguments": _parameters(t) if t.get("strict") else {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    start, end = (_marker(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
+    free = "/(.|\\n)*/"
+    if start.startswith("<"):   # one special token: the free text cannot write it
+        head, tail = f"head: TEXT {start}", f"TEXT: {free}"
+    else:
+        head, tail = f"head[lazy]: {free} {start}", f"TEXT: {free} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
+    return StructuredOutputsParams(grammar="\n".join([
+        f"start: call{'*' if parallel else '?'} TEXT",
+        f"call: head NL fn NL {end}",
+        head, tail, "NL: /\\n?/",
+        f"fn: %json {json.dumps({'anyOf': calls, 'x-guidance': JSON_OPTIONS})}"]), param="tools")
+
+
+def _marker(tokenizer, text: str) -> str:
+    """A call marker as the grammar names it: `<[id]>` for one special token, else a
+    string literal."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    if len(ids) == 1 and ids[0] in added and added[ids[0]].special:
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def _regex(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
 
 
 class ToolOutput:

@@ -27,7 +27,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from .errors import InvalidRequestError
 
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -72,11 +72,11 @@ class StructuredOutputsParams:
         try:
             if self.json is not None:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(f"the {kind} constraint is not valid: {e}", self.param) from None
         if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:

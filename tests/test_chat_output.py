@@ -12,10 +12,13 @@ import pytest
 from deployments.protocol import ChatCompletionRequest, chat_prompt_ids
 from deployments.reasoning import ReasoningSplit
 from deployments.chat_output import ChoiceParser
-from deployments.tools import ToolOutput
+from deployments.tools import ToolOutput, auto_constraint
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
-from runtime.structured_output import reasoning_state
+from runtime.models.tiny import make_model
+from runtime.structured_output import GrammarCompiler, reasoning_state
+
+from .conftest import FORMAT_TEMPLATE
 
 WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
@@ -34,6 +37,27 @@ def engine(default_model):
 def tokenizer(format_model):
     tok = load_tokenizer(format_model)
     assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>" and tok.think_start == "<think>"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def special_marker_tokenizer(tmp_path_factory):
+    """The format model's tokenizer, but with "<tool_call>" and "</tool_call>" as special
+    tokens of their own, as some families have them."""
+    out = make_model(tmp_path_factory.mktemp("special-markers") / "model", hidden=64, layers=2, heads=4,
+                     kv_heads=2, vocab_size=384, seed=4,
+                     added_tokens=("<think>", "</think>", "<tool_call>", "</tool_call>"))
+    for name, key in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", "added_tokens_decoder")):
+        config = json.loads((out / name).read_text())
+        entries = config.get(key, [])
+        entries = entries if isinstance(entries, list) else entries.values()
+        for t in entries:
+            t["special"] = t["special"] or "tool_call" in t["content"]
+        if name == "tokenizer_config.json":
+            config["chat_template"] = FORMAT_TEMPLATE
+        (out / name).write_text(json.dumps(config))
+    tok = load_tokenizer(str(out))
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) == 1 and tok.tool_call_start == "<tool_call>"
     return tok
 
 
@@ -202,3 +226,32 @@ def test_reasoning_effort_reaches_the_template(default_model):
     assert prompt({"reasoning_effort": chat.chat_body()["reasoning_effort"]}).endswith("|effort=minimal")
     with pytest.raises(pydantic.ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": hi, "reasoning_effort": "extreme"})
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markers", "special-token-markers"])
+def test_strict_auto_tools_leave_text_free_and_hold_each_call(tokenizer, special_marker_tokenizer, special):
+    """tool_choice "auto" with a strict function (`auto_constraint`), checked token by
+    token by llguidance over the model's own vocabulary: text is free, and a call
+    between the markers must name a tool, with a strict tool's arguments in its schema
+    and another's any object; one call at most without parallel calls; nothing is
+    held when no function is strict."""
+    tok = special_marker_tokenizer if special else tokenizer
+    strict = {**WEATHER, "strict": True}
+    constraint = auto_constraint([strict, CLOCK], True, tok)
+    assert ("<[" in constraint.grammar) == special   # a special marker is matched as its token
+    compiler = GrammarCompiler(tok._tokenizer, 0, [tok.eos_token_id])
+
+    def held(text, c=constraint):
+        matcher = compiler.compile(c).matcher
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 5}}\n</tool_call>'
+    assert held("No call here, only < and <tool text.") and held("Let me look." + CALL % "Paris" + " Done.")
+    assert not held(CALL % "Rome")                  # outside the strict tool's enum
+    assert held(clock)                              # not strict: any object
+    assert not held("<tool_call>\nnot json") and not held(CALL.replace("get_weather", "get_news") % "Oslo")
+    assert not held(CALL % "Oslo" + " and then <tool_call> as text")
+    two = CALL % "Oslo" + "\n" + CALL % "Paris"
+    assert held(two) and not held(two, auto_constraint([strict, CLOCK], False, tok))
+    assert auto_constraint([WEATHER, CLOCK], True, tok) is None

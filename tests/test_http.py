@@ -411,6 +411,26 @@ def test_auto_tool_calls_parsed_with_mlx_lms_parser(server):
     assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.tool_calls is None
 
 
+def test_strict_tools_under_auto_go_through_the_call_grammar(server):
+    """With a strict function under "auto" the formats model's output is held by
+    `auto_constraint`'s grammar (its calls are checked token by token in
+    test_chat_output.py): it leaves free text free (held to valid UTF-8, which this
+    random model's unheld text is not), and a strict function whose parameters
+    llguidance cannot hold is a 400 on `tools`, where the same function not strict is
+    served as before."""
+    client = openai.OpenAI(base_url=server.urls["formats"] + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=12,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    held = client.chat.completions.create(**kw, tools=[strict, CLOCK]).choices[0]
+    assert held.message.content and held.message.tool_calls is None and held.finish_reason == "length"
+    odd = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, tools=[{"type": "function", "function": {**odd, "strict": True}}])
+    assert e.value.body["param"] == "tools" and "nonsense" in e.value.body["message"]
+    assert client.chat.completions.create(**kw, tools=[{"type": "function", "function": odd}]).choices[0]
+
+
 def test_reasoning_comes_apart_from_content(server):
     """A thinking model (its vocabulary has "<think>" and "</think>"): what it writes
     between the markers (held here to a shape by a Lark grammar, which names the marker
