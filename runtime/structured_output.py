@@ -93,8 +93,12 @@ class StructuredOutputsParams:
         return self
 
     def error_if(self, error: str) -> None:
-        if error:
-            raise InvalidRequestError(f"the {self.check()} constraint is not valid: {error}", self.param)
+        if not error:
+            return
+        if self.param == "tools":   # made from the tools' schemas: say only what is wrong with them
+            fault = error.splitlines()[0].split("failed to compile JSON schema: ")[-1]
+            raise InvalidRequestError(f"the tools' parameters cannot be enforced: {fault}", "tools")
+        raise InvalidRequestError(f"the {self.check()} constraint is not valid: {error}", self.param)
 
 
 GRAMMAR_CACHE_SIZE = 128   # distinct grammars kept checked, and compiled, per process

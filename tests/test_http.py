@@ -428,6 +428,7 @@ def test_strict_tools_under_auto_go_through_the_call_grammar(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**kw, tools=[{"type": "function", "function": {**odd, "strict": True}}])
     assert e.value.body["param"] == "tools" and "nonsense" in e.value.body["message"]
+    assert e.value.body["message"].startswith("the tools' parameters") and "\n" not in e.value.body["message"]
     assert client.chat.completions.create(**kw, tools=[{"type": "function", "function": odd}]).choices[0]
 
 
