@@ -70,9 +70,9 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer) -> StructuredO
     any text, and each call (one at most without `parallel`) between the markers as
     `{"name": ..., "arguments": ...}` naming one of the tools, a strict one's arguments
     held to its schema, another's to any object. None where no function is strict or
-    the model's format is another. A marker that is one special token is matched as
-    that token; one written as text ends the free text lazily, and the text after the
-    last call may not contain it."""
+    the model's format is another. A marker the tokenizer adds whole is matched as that
+    token; one written as text ends the free text lazily, and the text after the last
+    call may not contain it."""
     if not any(t.get("strict") for t in tools) or getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS:
         return None
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
@@ -80,7 +80,7 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer) -> StructuredO
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     start, end = (_marker(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
     free = "/(.|\\n)*/"
-    if start.startswith("<"):   # one special token: the free text cannot write it
+    if start.startswith("<"):   # one added token: the free text cannot write it
         head, tail = f"head: TEXT {start}", f"TEXT: {free}"
     else:
         head, tail = f"head[lazy]: {free} {start}", f"TEXT: {free} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
@@ -92,11 +92,11 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer) -> StructuredO
 
 
 def _marker(tokenizer, text: str) -> str:
-    """A call marker as the grammar names it: `<[id]>` for one special token, else a
-    string literal."""
+    """A call marker as the grammar names it: `<[id]>` for a token the tokenizer adds
+    whole (Qwen's markers; llguidance treats every such token as special, whatever its
+    `special` flag says, so text cannot spell it), else a string literal."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    if len(ids) == 1 and ids[0] in added and added[ids[0]].special:
+    if len(ids) == 1 and ids[0] in getattr(tokenizer, "added_tokens_decoder", {}):
         return f"<[{ids[0]}]>"
     return json.dumps(text)
 
