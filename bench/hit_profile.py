@@ -162,7 +162,8 @@ def main(argv=None):
            "pad_rows_auto": auto, "ttft_ratio_miss_over_hit": ratios, "rows": rows}
     if prof:
         key = f"{args.cprofile}_top_ms_per_step"
-        out[key] = top_functions(prof, rows[args.cprofile == "hit"]["steps"], 25)
+        profiled = next(r for r in rows if r["pass"] == args.cprofile)   # the first mode's pass
+        out[key] = top_functions(prof, profiled["steps"], 25)
         for name, ms in out[key]:
             print(f"{ms:8.3f} ms/step  {name}")
     write_result(args.results_dir, f"hit_profile_{args.tag}.json", out)
