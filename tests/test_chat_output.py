@@ -41,7 +41,7 @@ def tokenizer(format_model):
 
 
 @pytest.fixture(scope="module")
-def special_marker_tokenizer(tmp_path_factory):
+def marker_token_tokenizer(tmp_path_factory):
     """The format model's tokenizer, but with "<tool_call>" and "</tool_call>" as tokens
     it adds whole, as Qwen's tokenizers have them (not flagged special there; llguidance
     treats them as special all the same)."""
@@ -223,17 +223,17 @@ def test_reasoning_effort_reaches_the_template(default_model):
         ChatCompletionRequest.model_validate({"model": "m", "messages": hi, "reasoning_effort": "extreme"})
 
 
-@pytest.mark.parametrize("special", [False, True], ids=["text-markers", "marker-tokens"])
-def test_strict_auto_tools_leave_text_free_and_hold_each_call(tokenizer, special_marker_tokenizer, special):
+@pytest.mark.parametrize("marker_tokens", [False, True], ids=["text-markers", "marker-tokens"])
+def test_strict_auto_tools_leave_text_free_and_hold_each_call(tokenizer, marker_token_tokenizer, marker_tokens):
     """tool_choice "auto" with a strict function (`auto_constraint`), checked token by
     token by llguidance over the model's own vocabulary: text is free, and a call
     between the markers must name a tool, with a strict tool's arguments in its schema
     and another's any object; one call at most without parallel calls; nothing is
     held when no function is strict."""
-    tok = special_marker_tokenizer if special else tokenizer
+    tok = marker_token_tokenizer if marker_tokens else tokenizer
     strict = {**WEATHER, "strict": True}
     constraint = auto_constraint([strict, CLOCK], True, tok)
-    assert ("<[" in constraint.grammar) == special   # a marker token is matched as that token
+    assert ("<[" in constraint.grammar) == marker_tokens   # a marker token is matched as that token
     compiler = GrammarCompiler(tok._tokenizer, 0, [tok.eos_token_id])
 
     def held(text, c=constraint):
