@@ -451,11 +451,14 @@ class OpenAIIngress:
         params = body.sampling_params(max_tokens, k)
         if mode == "auto":
             params.skip_special_tokens = False   # some families' call markers are special tokens
-            strict = params.structured_outputs is None and auto_constraint(
-                body.tool_defs(), body.parallel_tool_calls, self.tokenizer)
-            if strict:
-                await self._validate(strict)
-                params.structured_outputs = strict
+            fmt = body.response_format if body.response_format and body.response_format.type != "text" else None
+            answer = fmt.object_schema() if fmt else None
+            if body.structured_outputs is None and (fmt is None or answer is not None):
+                held = auto_constraint(body.tool_defs(), body.parallel_tool_calls, self.tokenizer, answer,
+                                       reasoning_state(self.tokenizer, ids))
+                if held:
+                    await self._validate(held)
+                    params.structured_outputs = held
         parser = self._choice_parser(ids, body, mode)
         t_sub = time.monotonic()
         first, gen = await self._stream(ids, params, body, self._salt(body, api_key))

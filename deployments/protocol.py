@@ -56,6 +56,17 @@ class ResponseFormat(_Strict):
             return StructuredOutputsParams(json_object=True, param="response_format")
         return StructuredOutputsParams(json=self.json_schema.schema_, param="response_format")
 
+    def object_schema(self) -> dict | None:
+        """The JSON schema of an answer in this format where the answer is an object, as
+        OpenAI's formats are (the tool grammar offers such an answer beside calls); None
+        for text or another root."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.type == "json_schema" else None
+        if schema is None:
+            return {"type": "object"}
+        return schema if schema.get("type", "object" if "properties" in schema else None) == "object" else None
+
 
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extension: exactly one of a JSON schema, any JSON

@@ -8,11 +8,14 @@ model wrote becomes OpenAI `tool_calls`.
 - `"auto"`: the model writes calls in its own format, between the markers that
   mlx-lm's tokenizer knows for its family (`tool_call_start`, `tool_call_end`), and
   mlx-lm's parser for that family reads them. Text outside the markers is the
-  message's content. A model without such a parser cannot do "auto". Where a function
-  is `strict` and the family writes JSON between its markers (mlx-lm's `json_tools`:
-  Qwen, Hermes), a grammar leaves the text free and holds each call to one of the
-  functions, a strict one's arguments to its schema (`auto_constraint`); in other
-  formats `strict` is not enforced under "auto", as in vLLM.
+  message's content. A model without such a parser cannot do "auto". Where the family
+  writes JSON between its markers (mlx-lm's `json_tools`: Qwen, Hermes), a grammar
+  (`auto_constraint`) holds each call to one of the functions, a strict one's arguments
+  to its schema, when a function is `strict` or the answer has a `response_format`:
+  the text is free, or, with a response format, either one or more calls or the answer
+  in that format (OpenAI's behaviour; a response format alone would rule every call
+  out). In other formats `strict` is not enforced under "auto", as in vLLM, and a
+  response format holds the whole output.
 - `"none"`: the tools are shown to the chat template, and nothing is parsed.
 """
 
@@ -65,30 +68,52 @@ def constraint(tools: list[dict], choice: str | None, parallel: bool) -> Structu
 JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # the format `auto_constraint` can hold
 
 
-def auto_constraint(tools: list[dict], parallel: bool, tokenizer) -> StructuredOutputsParams | None:
-    """For tool_choice "auto" with a `strict` function, in the JSON-between-markers format:
-    any text, and each call (one at most without `parallel`) between the markers as
-    `{"name": ..., "arguments": ...}` naming one of the tools, a strict one's arguments
-    held to its schema, another's to any object. None where no function is strict or
-    the model's format is another. A marker the tokenizer adds whole is matched as that
-    token; one written as text ends the free text lazily, and the text after the last
-    call may not contain it."""
-    if not any(t.get("strict") for t in tools) or getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS:
+def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict | None = None,
+                    reasoning: str = "answer") -> StructuredOutputsParams | None:
+    """For tool_choice "auto" in the JSON-between-markers format: each call (one at most
+    without `parallel`) between the markers as `{"name": ..., "arguments": ...}` naming
+    one of the tools, a strict one's arguments held to its schema, another's to any
+    object; around the calls, free text. With `answer` (the response format's JSON
+    schema), the output is either that (one call at least) or the answer alone, in the
+    schema. None where neither a function is strict nor an answer format is given, or
+    the model's format is another.
+
+    A marker the tokenizer adds whole is matched as that token; one written as text ends
+    the free text lazily, and the text after the last call may not contain it. The
+    grammar holds the whole text, so a thinking model's reasoning comes first, free, as
+    `reasoning` (`reasoning_state` of the prompt) says it may or must."""
+    if getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS or (
+            answer is None and not any(t.get("strict") for t in tools)):
         return None
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
                                                "arguments": _parameters(t) if t.get("strict") else {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     start, end = (_marker(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
-    free = "/(.|\\n)*/"
-    if start.startswith("<"):   # one added token: the free text cannot write it
-        head, tail = f"head: TEXT {start}", f"TEXT: {free}"
-    else:
-        head, tail = f"head[lazy]: {free} {start}", f"TEXT: {free} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
-    return StructuredOutputsParams(grammar="\n".join([
-        f"start: call{'*' if parallel else '?'} TEXT",
-        f"call: head NL fn NL {end}",
-        head, tail, "NL: /\\n?/",
-        f"fn: %json {json.dumps({'anyOf': calls, 'x-guidance': JSON_OPTIONS})}"]), param="tools")
+    if answer is None:
+        rules = [f"body: call{'*' if parallel else '?'} TEXT"]
+    else:   # text before the first call cannot open the answer's object: llguidance's lexer
+            # would follow the text and lose the answer
+        rules = [f"body: first{' call*' if parallel else ''} TEXT | answer", f"first: lead NL fn NL {end}",
+                 _until(start, "lead", r"/(\s*|\s*[^{\s](.|\n)*)/"),
+                 f"answer: /\\s*/ %json {json.dumps({**answer, 'x-guidance': JSON_OPTIONS})}"]
+    text = FREE if start.startswith("<") else f"{FREE} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
+    rules += [f"call: head NL fn NL {end}", _until(start, "head"), f"TEXT: {text}", "NL: /\\n?/",
+              f"fn: %json {json.dumps({'anyOf': calls, 'x-guidance': JSON_OPTIONS})}"]
+    think = reasoning != "answer" and getattr(tokenizer, "has_thinking", False)
+    if think:
+        rules.append(_until(_marker(tokenizer, tokenizer.think_end), "thought"))
+    opening = {"thinking": "thought ", "may_think": f"({_marker(tokenizer, tokenizer.think_start)} thought)? "}
+    return StructuredOutputsParams(grammar="\n".join(
+        [f"start: {opening[reasoning] if think else ''}body", *rules]), param="tools")
+
+
+FREE = "/(.|\\n)*/"
+
+
+def _until(marker: str, rule: str, text: str = FREE) -> str:
+    """A rule for `text` up to a marker: an added token, which text cannot write, or a
+    marker written as text, which ends the text lazily."""
+    return f"{rule}{'' if marker.startswith('<') else '[lazy]'}: {text} {marker}"
 
 
 def _marker(tokenizer, text: str) -> str:

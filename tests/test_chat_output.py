@@ -5,11 +5,12 @@ markers), whole and streamed in any pieces."""
 
 import json
 import random
+from functools import partial
 
 import pydantic
 import pytest
 
-from deployments.protocol import ChatCompletionRequest, chat_prompt_ids
+from deployments.protocol import ChatCompletionRequest, ResponseFormat, chat_prompt_ids
 from deployments.reasoning import ReasoningSplit
 from deployments.chat_output import ChoiceParser
 from deployments.tools import ToolOutput, auto_constraint
@@ -234,12 +235,7 @@ def test_strict_auto_tools_leave_text_free_and_hold_each_call(tokenizer, marker_
     strict = {**WEATHER, "strict": True}
     constraint = auto_constraint([strict, CLOCK], True, tok)
     assert ("<[" in constraint.grammar) == marker_tokens   # a marker token is matched as that token
-    compiler = GrammarCompiler(tok._tokenizer, 0, [tok.eos_token_id])
-
-    def held(text, c=constraint):
-        matcher = compiler.compile(c).matcher
-        ids = tok.encode(text, add_special_tokens=False)
-        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+    held = partial(_held_by(tok), constraint)
 
     clock = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 5}}\n</tool_call>'
     assert held("No call here, only < and <tool text.") and held("Let me look." + CALL % "Paris" + " Done.")
@@ -248,5 +244,65 @@ def test_strict_auto_tools_leave_text_free_and_hold_each_call(tokenizer, marker_
     assert not held("<tool_call>\nnot json") and not held(CALL.replace("get_weather", "get_news") % "Oslo")
     assert not held(CALL % "Oslo" + " and then <tool_call> as text")
     two = CALL % "Oslo" + "\n" + CALL % "Paris"
-    assert held(two) and not held(two, auto_constraint([strict, CLOCK], False, tok))
+    assert held(two) and not _held_by(tok)(auto_constraint([strict, CLOCK], False, tok), two)
     assert auto_constraint([WEATHER, CLOCK], True, tok) is None
+
+
+def _held_by(tok):
+    compiler = GrammarCompiler(tok._tokenizer, 0, [tok.eos_token_id])
+
+    def held(constraint, text):
+        matcher = compiler.compile(constraint).matcher
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+    return held
+
+
+@pytest.mark.parametrize("marker_tokens", [False, True], ids=["text-markers", "marker-tokens"])
+def test_strict_auto_tools_let_a_thinking_model_reason_first(tokenizer, marker_token_tokenizer, marker_tokens):
+    """The call grammar holds the whole text, so it opens with the reasoning where the
+    prompt leaves it to come (`reasoning_state`): may open it ("<think>" is an added
+    token, which free text cannot write), is inside it, or has closed it."""
+    tok = marker_token_tokenizer if marker_tokens else tokenizer
+    held = _held_by(tok)
+    strict = {**WEATHER, "strict": True}
+    may, inside, closed = (auto_constraint([strict], True, tok, None, s) for s in ("may_think", "thinking", "answer"))
+    thought = "<think>Which city?</think>\n\n"
+    assert held(may, thought + "Let me look." + CALL % "Paris") and held(may, "Right away." + CALL % "Oslo")
+    assert not held(may, thought + CALL % "Rome") and not held(may, thought + "More." + thought)
+    assert held(inside, "Which city?</think>" + CALL % "Oslo") and not held(inside, thought + "Hi.")
+    assert held(closed, "Hi." + CALL % "Oslo") and not held(closed, thought + "Hi.")
+
+
+@pytest.mark.parametrize("marker_tokens", [False, True], ids=["text-markers", "marker-tokens"])
+def test_auto_tools_with_a_response_format_give_calls_or_the_answer(tokenizer, marker_token_tokenizer, marker_tokens):
+    """tools under "auto" beside a `response_format` (OpenAI's Agents SDK sends its
+    output type so on every turn): one call at least, or the answer alone in the
+    format, never free text alone; with any strict function or none."""
+    tok = marker_token_tokenizer if marker_tokens else tokenizer
+    held = _held_by(tok)
+    answer = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"],
+              "additionalProperties": False}
+    for tools in ([WEATHER, CLOCK], [{**WEATHER, "strict": True}, CLOCK]):
+        c = auto_constraint(tools, True, tok, answer)
+        assert held(c, '{"temp": 21}') and held(c, '\n\n{"temp": 21}')
+        assert not held(c, '{"temp": "warm"}') and not held(c, "It is warm.") and not held(c, '{"temp": 21} and more')
+        assert held(c, "Let me look." + CALL % "Paris") and held(c, CALL % "Oslo" + "\n" + CALL % "Paris")
+        assert held(c, '<tool_call>\n{"name": "get_time", "arguments": {"zone": 5}}\n</tool_call>')
+        assert not held(auto_constraint(tools, False, tok, answer), CALL % "Oslo" + "\n" + CALL % "Paris")
+    assert not held(auto_constraint([{**WEATHER, "strict": True}], True, tok, answer), CALL % "Rome")
+    after_thought = auto_constraint([WEATHER], True, tok, answer, "may_think")
+    assert held(after_thought, '<think>Warm, I think.</think>\n\n{"temp": 21}')
+    assert not held(after_thought, "<think>Warm, I think.</think>\n\nIt is warm.")
+
+
+def test_only_an_object_answer_goes_beside_the_calls():
+    """The call grammar can offer an object answer beside the calls (OpenAI's formats
+    are objects); another root leaves the response format holding the whole output."""
+    def fmt(**f):
+        return ResponseFormat.model_validate(f).object_schema()
+    obj = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert fmt(type="json_object") == {"type": "object"} and fmt(type="text") is None
+    assert fmt(type="json_schema", json_schema={"name": "a", "schema": obj}) == obj
+    assert fmt(type="json_schema", json_schema={"name": "a", "schema": {"properties": {}}}) == {"properties": {}}
+    assert fmt(type="json_schema", json_schema={"name": "a", "schema": {"type": "array"}}) is None

@@ -432,6 +432,38 @@ def test_strict_tools_under_auto_go_through_the_call_grammar(server):
     assert client.chat.completions.create(**kw, tools=[{"type": "function", "function": odd}]).choices[0]
 
 
+def test_auto_tools_beside_a_response_format_and_reasoning(server):
+    """Under "auto" a `response_format` no longer rules every call out: the call grammar
+    offers the calls or the answer in the format (token by token in
+    test_chat_output.py). So a strict function llguidance cannot hold is a 400 on
+    `tools` beside a format too (the format alone held the whole output, the tools
+    unchecked), and an answer in the format ends the completion. A thinking model may
+    reason before its calls: pushed to open its reasoning, it does."""
+    url = server.urls["formats"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+    def token(text):
+        ids = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False})
+        assert len(ids.json()["tokens"]) == 1
+        return str(ids.json()["tokens"][0])
+
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=12)
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    odd = {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, tools=[{"type": "function", "function": odd}],
+                                       response_format={"type": "json_object"}, extra_body=no_thinking)
+    assert e.value.body["param"] == "tools" and "nonsense" in e.value.body["message"]
+    empty = {"type": "json_schema", "json_schema": {"name": "empty", "schema": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    answered = client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], response_format=empty,
+                                              logit_bias={token("{"): 100}, extra_body=no_thinking).choices[0]
+    assert (answered.message.content, answered.message.tool_calls, answered.finish_reason) == ("{}", None, "stop")
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    reasoned = client.chat.completions.create(**kw, tools=[strict, CLOCK], logit_bias={token("<think>"): 100})
+    assert getattr(reasoned.choices[0].message, "reasoning", None)
+
+
 def test_reasoning_comes_apart_from_content(server):
     """A thinking model (its vocabulary has "<think>" and "</think>"): what it writes
     between the markers (held here to a shape by a Lark grammar, which names the marker
