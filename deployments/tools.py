@@ -57,12 +57,37 @@ def constraint(tools: list[dict], choice: str | None, parallel: bool) -> Structu
     if choice != "required":
         tool = next(t for t in tools if t["name"] == choice)
         return StructuredOutputsParams(json=_parameters(tool), param="tools")
-    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "parameters": _parameters(t)},
-            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+    params, defs = _placed([_parameters(t) for t in tools])
+    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "parameters": p},
+            "required": ["name", "parameters"], "additionalProperties": False} for t, p in zip(tools, params)]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}, **defs}
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema, param="tools")
+
+
+def _placed(schemas: list[dict]) -> tuple[list[dict], dict]:
+    """Parameter schemas as they sit inside one larger schema, and the root keys that
+    schema needs: a JSON pointer is read from the root of the whole schema, so a schema
+    with local `$ref`s (pydantic writes `$defs` for nested models) moves under the root's
+    `$defs`, its pointers rebased there."""
+    placed, defs = [], {}
+    for i, schema in enumerate(schemas):
+        if '"$ref"' not in json.dumps(schema):
+            placed.append(schema)
+            continue
+        defs[f"tool{i}"] = _rebased(schema, f"#/$defs/tool{i}")
+        placed.append({"$ref": f"#/$defs/tool{i}"})
+    return placed, ({"$defs": defs} if defs else {})
+
+
+def _rebased(node, base: str):
+    if isinstance(node, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
 
 
 JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # the format `auto_constraint` can hold
@@ -85,9 +110,9 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
     if getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS or (
             answer is None and not any(t.get("strict") for t in tools)):
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                               "arguments": _parameters(t) if t.get("strict") else {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    args, defs = _placed([_parameters(t) if t.get("strict") else {"type": "object"} for t in tools])
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a},
+              "required": ["name", "arguments"], "additionalProperties": False} for t, a in zip(tools, args)]
     start, end = (_marker(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
     if answer is None:
         rules = [f"body: call{'*' if parallel else '?'} TEXT"]
@@ -98,7 +123,7 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
                  f"answer: /\\s*/ %json {json.dumps({**answer, 'x-guidance': JSON_OPTIONS})}"]
     text = FREE if start.startswith("<") else f"{FREE} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
     rules += [f"call: head NL fn NL {end}", _until(start, "head"), f"TEXT: {text}", "NL: /\\n?/",
-              f"fn: %json {json.dumps({'anyOf': calls, 'x-guidance': JSON_OPTIONS})}"]
+              f"fn: %json {json.dumps({'anyOf': calls, **defs, 'x-guidance': JSON_OPTIONS})}"]
     think = reasoning != "answer" and getattr(tokenizer, "has_thinking", False)
     if think:
         rules.append(_until(_marker(tokenizer, tokenizer.think_end), "thought"))

@@ -6,14 +6,16 @@ markers), whole and streamed in any pieces."""
 import json
 import random
 from functools import partial
+from typing import Literal
 
+import openai
 import pydantic
 import pytest
 
 from deployments.protocol import ChatCompletionRequest, ResponseFormat, chat_prompt_ids
 from deployments.reasoning import ReasoningSplit
 from deployments.chat_output import ChoiceParser
-from deployments.tools import ToolOutput, auto_constraint
+from deployments.tools import ToolOutput, auto_constraint, constraint
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
 from runtime.models.tiny import make_model
@@ -294,6 +296,30 @@ def test_auto_tools_with_a_response_format_give_calls_or_the_answer(tokenizer, m
     after_thought = auto_constraint([WEATHER], True, tok, answer, "may_think")
     assert held(after_thought, '<think>Warm, I think.</think>\n\n{"temp": 21}')
     assert not held(after_thought, "<think>Warm, I think.</think>\n\nIt is warm.")
+
+
+def test_tools_made_from_pydantic_models_keep_their_refs(tokenizer):
+    """`openai.pydantic_function_tool` writes a nested model as `$defs` and `$ref`s
+    pointing at the parameters' root. Inside the larger schema that holds several tools
+    those pointers would miss ("required" and strict "auto" were a 400); they are
+    rebased, and a call is held to the nested model."""
+    class Loc(pydantic.BaseModel):
+        city: Literal["Paris", "Oslo"]
+
+    class Where(pydantic.BaseModel):
+        loc: Loc
+        near: Loc | None = None
+
+    where = openai.pydantic_function_tool(Where)["function"]
+    assert "$defs" in where["parameters"]
+    held = _held_by(tokenizer)
+    call = '<tool_call>\n{"name": "Where", "arguments": {"loc": {"city": "%s"}, "near": null}}\n</tool_call>'
+    auto = auto_constraint([where, CLOCK], True, tokenizer)
+    assert held(auto, call % "Oslo") and not held(auto, call % "Rome")
+    required = constraint([where, CLOCK], "required", True)
+    listed = '[{"name": "Where", "parameters": {"loc": {"city": "%s"}, "near": {"city": "Paris"}}}]'
+    assert held(required, listed % "Paris") and not held(required, listed % "Rome")
+    assert held(constraint([where], "Where", True), '{"loc": {"city": "Oslo"}, "near": null}')
 
 
 def test_only_an_object_answer_goes_beside_the_calls():
