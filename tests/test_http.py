@@ -464,6 +464,34 @@ def test_auto_tools_beside_a_response_format_and_reasoning(server):
     assert getattr(reasoned.choices[0].message, "reasoning", None)
 
 
+def test_an_agent_frameworks_turn_is_served(server):
+    """The request the OpenAI Agents SDK (0.24) sends on every turn of an agent with a
+    tool and an output type: strict tools made from pydantic models (`$defs` and
+    `$ref`s) beside the output type as the response format, over the Responses API and
+    over chat. Both are served (the `$ref`s made each a 400), and the answer is a call
+    or a message, never both ruled out."""
+    client = openai.OpenAI(base_url=server.urls["formats"] + "/v1", api_key="unused", max_retries=0)
+    loc = {"properties": {"city": {"title": "City", "type": "string"},
+                          "country": {"anyOf": [{"type": "string"}, {"type": "null"}], "title": "Country"}},
+           "required": ["city", "country"], "title": "Loc", "type": "object", "additionalProperties": False}
+    params = {"$defs": {"Loc": loc}, "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+              "title": "get_weather_args", "type": "object", "additionalProperties": False}
+    weather = {"properties": {"city": {"title": "City", "type": "string"}, "temp": {"title": "Temp", "type": "integer"}},
+               "required": ["city", "temp"], "title": "Weather", "type": "object", "additionalProperties": False}
+    tool = {"name": "get_weather", "description": "The weather at a place.", "parameters": params, "strict": True}
+    kw = dict(model=MODEL, temperature=0.2)
+    r = client.responses.create(**kw, input=[{"role": "user", "content": "Weather in Paris?"}], include=[],
+                                instructions="Be brief.", max_output_tokens=16, tools=[{"type": "function", **tool}],
+                                text={"format": {"type": "json_schema", "name": "final_output", "schema": weather,
+                                                 "strict": True}})
+    assert r.output and {o.type for o in r.output} <= {"reasoning", "message", "function_call"}
+    c = client.chat.completions.create(**kw, messages=[{"role": "system", "content": "Be brief."}, *ASK], max_tokens=16,
+                                       tools=[{"type": "function", "function": tool}],
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "final_output", "schema": weather, "strict": True}})
+    assert c.choices[0].message.content or c.choices[0].message.tool_calls
+
+
 def test_reasoning_comes_apart_from_content(server):
     """A thinking model (its vocabulary has "<think>" and "</think>"): what it writes
     between the markers (held here to a shape by a Lark grammar, which names the marker
