@@ -124,12 +124,11 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
     text = FREE if start.startswith("<") else f"{FREE} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
     rules += [f"call: head NL fn NL {end}", _until(start, "head"), f"TEXT: {text}", "NL: /\\n?/",
               f"fn: %json {json.dumps({'anyOf': calls, **defs, 'x-guidance': JSON_OPTIONS})}"]
-    think = reasoning != "answer" and getattr(tokenizer, "has_thinking", False)
-    if think:
+    opening = ""
+    if reasoning != "answer" and getattr(tokenizer, "has_thinking", False):
         rules.append(_until(_marker(tokenizer, tokenizer.think_end), "thought"))
-    opening = {"thinking": "thought ", "may_think": f"({_marker(tokenizer, tokenizer.think_start)} thought)? "}
-    return StructuredOutputsParams(grammar="\n".join(
-        [f"start: {opening[reasoning] if think else ''}body", *rules]), param="tools")
+        opening = "thought " if reasoning == "thinking" else f"({_marker(tokenizer, tokenizer.think_start)} thought)? "
+    return StructuredOutputsParams(grammar="\n".join([f"start: {opening}body", *rules]), param="tools")
 
 
 FREE = "/(.|\\n)*/"

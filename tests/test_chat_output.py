@@ -59,6 +59,20 @@ def marker_token_tokenizer(tmp_path_factory):
     return tok
 
 
+@pytest.fixture(scope="module")
+def unthinking_tokenizer(tmp_path_factory):
+    """The format model's template and call markers (added tokens, as Qwen2.5's), but no
+    think markers in the vocabulary: a model of the call format that does not think."""
+    out = make_model(tmp_path_factory.mktemp("unthinking") / "model", hidden=64, layers=2, heads=4,
+                     kv_heads=2, vocab_size=384, seed=4, added_tokens=("<tool_call>", "</tool_call>"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = FORMAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(out))
+    assert tok.has_tool_calling and not tok.has_thinking
+    return tok
+
+
 def _streamed(out: ToolOutput, text: str, rng: random.Random):
     """Feed `text` in random pieces, then close: all content and calls."""
     content, calls, i = "", [], 0
@@ -296,6 +310,17 @@ def test_auto_tools_with_a_response_format_give_calls_or_the_answer(tokenizer, m
     after_thought = auto_constraint([WEATHER], True, tok, answer, "may_think")
     assert held(after_thought, '<think>Warm, I think.</think>\n\n{"temp": 21}')
     assert not held(after_thought, "<think>Warm, I think.</think>\n\nIt is warm.")
+
+
+def test_a_model_that_does_not_think_gets_the_call_grammar_too(unthinking_tokenizer):
+    """No think markers, so no reasoning rule (the grammar must not ask for them)."""
+    tok = unthinking_tokenizer
+    held = _held_by(tok)
+    answer = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"]}
+    strict = auto_constraint([{**WEATHER, "strict": True}], True, tok, None, reasoning_state(tok, []))
+    assert held(strict, "Let me look." + CALL % "Paris") and not held(strict, CALL % "Rome")
+    either = auto_constraint([WEATHER], True, tok, answer, reasoning_state(tok, []))
+    assert held(either, '{"temp": 21}') and held(either, CALL % "Oslo") and not held(either, "Warm.")
 
 
 def test_tools_made_from_pydantic_models_keep_their_refs(tokenizer):
