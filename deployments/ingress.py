@@ -454,8 +454,8 @@ class OpenAIIngress:
             fmt = body.response_format if body.response_format and body.response_format.type != "text" else None
             answer = fmt.object_schema() if fmt else None
             if body.structured_outputs is None and (fmt is None or answer is not None):
-                held = auto_constraint(body.tool_defs(), body.parallel_tool_calls, self.tokenizer, answer,
-                                       reasoning_state(self.tokenizer, ids))
+                held = auto_constraint(body.callable_defs(), body.parallel_tool_calls, self.tokenizer, answer,
+                                       reasoning_state(self.tokenizer, ids), body.restricts_calls())
                 if held:
                     await self._validate(held)
                     params.structured_outputs = held

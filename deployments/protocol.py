@@ -331,6 +331,20 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+class AllowedTools(_Strict):
+    """The functions a call may name: "auto", any or none of them; "required", one at
+    least. The template still shows every tool (OpenAI's reason: the prompt, and its
+    cache, stay the same as the allowed set changes)."""
+
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Strict):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 _TEMPLATE_ARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict",
                   "documents", "continue_final_message", "chat_template"}
 
@@ -378,7 +392,7 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice, None] = None
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
@@ -391,6 +405,9 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
             raise ValueError("tools must have distinct names")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        for allowed in self._allowed() or ():
+            if allowed not in names:
+                raise ValueError(f"tool_choice allows {allowed!r}, which is not among the tools")
         forced = self.forced_tool()
         if forced is not None:
             if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
@@ -400,6 +417,19 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
 
     def tool_defs(self) -> list[dict]:
         return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def _allowed(self) -> list[str] | None:
+        choice = self.tool_choice
+        return [t.function.name for t in choice.allowed_tools.tools] if isinstance(choice, AllowedToolsChoice) else None
+
+    def callable_defs(self) -> list[dict]:
+        """The tools a call may name: all of them, or those `allowed_tools` lists."""
+        allowed = self._allowed()
+        return [d for d in self.tool_defs() if allowed is None or d["name"] in allowed]
+
+    def restricts_calls(self) -> bool:
+        """Whether `allowed_tools` leaves some tools out of the calls."""
+        return len(self.callable_defs()) < len(self.tools or [])
 
     def template_kwargs(self) -> dict | None:
         """`chat_template_kwargs`, with `reasoning_effort` unless they set it."""
@@ -418,6 +448,8 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             return choice.function.name
+        if isinstance(choice, AllowedToolsChoice):
+            choice = choice.allowed_tools.mode
         return "required" if choice == "required" and self.tools else None
 
     def constraint_param(self) -> str | None:
@@ -426,7 +458,7 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
     def _make_constraint(self) -> StructuredOutputsParams:
         forced = self.forced_tool()
         if forced is not None:
-            return tool_constraint(self.tool_defs(), forced, self.parallel_tool_calls)
+            return tool_constraint(self.callable_defs(), forced, self.parallel_tool_calls)
         return super()._make_constraint()
 
     def logprobs_k(self) -> int | None:

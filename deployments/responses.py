@@ -106,6 +106,14 @@ class FunctionChoice(_Strict):
     name: str
 
 
+class AllowedFunctions(_Strict):
+    """The functions a call may name (chat's `allowed_tools`, flat as Responses has it)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[FunctionChoice] = Field(min_length=1)
+
+
 class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -145,7 +153,7 @@ class ResponsesRequest(Bookkeeping):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     tools: list[FunctionTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, AllowedFunctions, None] = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -181,6 +189,10 @@ class ResponsesRequest(Bookkeeping):
                              for t in self.tools]
         if isinstance(self.tool_choice, FunctionChoice):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif isinstance(self.tool_choice, AllowedFunctions):
+            body["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {
+                "mode": self.tool_choice.mode,
+                "tools": [{"type": "function", "function": {"name": t.name}} for t in self.tool_choice.tools]}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text else None

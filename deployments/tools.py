@@ -16,6 +16,9 @@ model wrote becomes OpenAI `tool_calls`.
   in that format (OpenAI's behaviour; a response format alone would rule every call
   out). In other formats `strict` is not enforced under "auto", as in vLLM, and a
   response format holds the whole output.
+- `allowed_tools`: every tool is shown to the template, and calls may name only the
+  listed ones: "required" as above over those; "auto" through `auto_constraint`'s
+  grammar (other formats: not enforced).
 - `"none"`: the tools are shown to the chat template, and nothing is parsed.
 """
 
@@ -94,21 +97,22 @@ JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # the format `auto_constraint` c
 
 
 def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict | None = None,
-                    reasoning: str = "answer") -> StructuredOutputsParams | None:
+                    reasoning: str = "answer", restricted: bool = False) -> StructuredOutputsParams | None:
     """For tool_choice "auto" in the JSON-between-markers format: each call (one at most
     without `parallel`) between the markers as `{"name": ..., "arguments": ...}` naming
     one of the tools, a strict one's arguments held to its schema, another's to any
     object; around the calls, free text. With `answer` (the response format's JSON
     schema), the output is either that (one call at least) or the answer alone, in the
-    schema. None where neither a function is strict nor an answer format is given, or
-    the model's format is another.
+    schema. `tools`: those a call may name; `restricted`: the request's other tools are
+    left out of them (`allowed_tools`). None where no function is strict, no answer
+    format is given and nothing is left out, or where the model's format is another.
 
     A marker the tokenizer adds whole is matched as that token; one written as text ends
     the free text lazily, and the text after the last call may not contain it. The
     grammar holds the whole text, so a thinking model's reasoning comes first, free, as
     `reasoning` (`reasoning_state` of the prompt) says it may or must."""
     if getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS or (
-            answer is None and not any(t.get("strict") for t in tools)):
+            answer is None and not restricted and not any(t.get("strict") for t in tools)):
         return None
     args, defs = _placed([_parameters(t) if t.get("strict") else {"type": "object"} for t in tools])
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a},

@@ -347,6 +347,32 @@ def test_tools_made_from_pydantic_models_keep_their_refs(tokenizer):
     assert held(constraint([where], "Where", True), '{"loc": {"city": "Oslo"}, "near": null}')
 
 
+def test_allowed_tools_hold_the_calls_to_the_listed_functions(tokenizer):
+    """`tool_choice: {"type": "allowed_tools", ...}`: the template keeps every tool, and a
+    call may name only the listed ones: under "auto" through the call grammar (no
+    function strict), under "required" through the list constraint."""
+    def body(mode, names):
+        return ChatCompletionRequest.model_validate({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": f} for f in (WEATHER, CLOCK)],
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+                "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}})
+    held = _held_by(tokenizer)
+    auto = body("auto", ["get_time"])
+    assert len(auto.tool_defs()) == 2 and [d["name"] for d in auto.callable_defs()] == ["get_time"]
+    assert auto.tool_mode() == "auto" and auto.constraint() is None
+    grammar = auto_constraint(auto.callable_defs(), True, tokenizer, None, "answer", auto.restricts_calls())
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert held(grammar, "Sure." + clock) and held(grammar, "No call.") and not held(grammar, CALL % "Paris")
+    required = body("required", ["get_time"])
+    assert required.forced_tool() == "required"
+    assert held(required.constraint(), '[{"name": "get_time", "parameters": {"zone": "CET"}}]')
+    assert not held(required.constraint(), '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert not body("auto", ["get_weather", "get_time"]).restricts_calls()
+    with pytest.raises(pydantic.ValidationError, match="allows 'get_news'"):
+        body("auto", ["get_news"])
+
+
 def test_only_an_object_answer_goes_beside_the_calls():
     """The call grammar can offer an object answer beside the calls (OpenAI's formats
     are objects); another root leaves the response format holding the whole output."""

@@ -492,6 +492,41 @@ def test_an_agent_frameworks_turn_is_served(server):
     assert c.choices[0].message.content or c.choices[0].message.tool_calls
 
 
+def test_allowed_tools_limit_the_calls_in_chat_and_responses(server):
+    """`tool_choice` of type `allowed_tools` ("required" mode here, which any model can
+    be held to): both tools reach the template, and every call names the allowed one,
+    over chat and over the Responses API (whose form is flat, and which repeats it); a
+    name that is not among the tools is a 400."""
+    client = openai.OpenAI(base_url=server.urls["formats"] + "/v1", api_key="unused", max_retries=0)
+    only_clock = {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=48, tools=[WEATHER, CLOCK],
+                                          tool_choice={"type": "allowed_tools", "allowed_tools": only_clock},
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    calls = chat.choices[0].message.tool_calls
+    assert calls and {c.function.name for c in calls} == {"get_time"}
+    flat = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    plain = openai.OpenAI(base_url=server.urls["main"] + "/v1", api_key="unused", max_retries=0)   # no reasoning first
+    r = plain.responses.create(model=MODEL, input="What is the weather in Paris?", temperature=0, max_output_tokens=48,
+                                tools=[{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)], tool_choice=flat)
+    assert {o.name for o in r.output if o.type == "function_call"} == {"get_time"}
+    assert r.tool_choice.type == "allowed_tools" and r.tool_choice.mode == "required"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice={
+            "type": "allowed_tools", "allowed_tools": {**only_clock, "mode": "auto"}})
+    assert "allows 'get_time'" in e.value.body["message"]
+    # Under "auto" the call grammar names the allowed tools only: a strict function whose
+    # parameters llguidance cannot hold is a 400 when allowed, and no matter when not.
+    odd = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+    kw = dict(model=MODEL, messages=ASK, max_tokens=4, tools=[odd, CLOCK],
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert client.chat.completions.create(**kw, tool_choice={
+        "type": "allowed_tools", "allowed_tools": {**only_clock, "mode": "auto"}}).choices[0]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**kw, tool_choice={"type": "allowed_tools", "allowed_tools": {
+            "mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}})
+
+
 def test_reasoning_comes_apart_from_content(server):
     """A thinking model (its vocabulary has "<think>" and "</think>"): what it writes
     between the markers (held here to a shape by a Lark grammar, which names the marker
