@@ -61,19 +61,25 @@ FORMAT_TEMPLATE = (
 )
 
 
+def make_format_model(out, added_tokens: tuple[str, ...]) -> str:
+    """A small random-weight model with `added_tokens` in its vocabulary and
+    `FORMAT_TEMPLATE` as its chat template."""
+    import json
+
+    out = make_model(out, hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384, seed=4,
+                     added_tokens=added_tokens)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = FORMAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def format_model(tmp_path_factory):
     """A random-weight model whose vocabulary has "<think>" and "</think>" and whose chat
     template is `FORMAT_TEMPLATE`: mlx-lm gives its tokenizer a thinking format and a
     tool parser."""
-    import json
-
-    out = make_model(tmp_path_factory.mktemp("format-model") / "model", hidden=64, layers=2, heads=4,
-                     kv_heads=2, vocab_size=384, seed=4, added_tokens=("<think>", "</think>"))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = FORMAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(out)
+    return make_format_model(tmp_path_factory.mktemp("format-model") / "model", ("<think>", "</think>"))
 
 
 @functools.lru_cache(maxsize=8)

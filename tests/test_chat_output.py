@@ -18,10 +18,9 @@ from deployments.chat_output import ChoiceParser
 from deployments.tools import ToolOutput, auto_constraint, constraint
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
-from runtime.models.tiny import make_model
 from runtime.structured_output import GrammarCompiler, reasoning_state
 
-from .conftest import FORMAT_TEMPLATE
+from .conftest import make_format_model
 
 WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
@@ -48,13 +47,8 @@ def marker_token_tokenizer(tmp_path_factory):
     """The format model's tokenizer, but with "<tool_call>" and "</tool_call>" as tokens
     it adds whole, as Qwen's tokenizers have them (not flagged special there; llguidance
     treats them as special all the same)."""
-    out = make_model(tmp_path_factory.mktemp("marker-tokens") / "model", hidden=64, layers=2, heads=4,
-                     kv_heads=2, vocab_size=384, seed=4,
-                     added_tokens=("<think>", "</think>", "<tool_call>", "</tool_call>"))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = FORMAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = load_tokenizer(str(out))
+    tok = load_tokenizer(make_format_model(tmp_path_factory.mktemp("marker-tokens") / "model",
+                                           ("<think>", "</think>", "<tool_call>", "</tool_call>")))
     assert len(tok.encode("<tool_call>", add_special_tokens=False)) == 1 and tok.tool_call_start == "<tool_call>"
     return tok
 
@@ -63,12 +57,8 @@ def marker_token_tokenizer(tmp_path_factory):
 def unthinking_tokenizer(tmp_path_factory):
     """The format model's template and call markers (added tokens, as Qwen2.5's), but no
     think markers in the vocabulary: a model of the call format that does not think."""
-    out = make_model(tmp_path_factory.mktemp("unthinking") / "model", hidden=64, layers=2, heads=4,
-                     kv_heads=2, vocab_size=384, seed=4, added_tokens=("<tool_call>", "</tool_call>"))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = FORMAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = load_tokenizer(str(out))
+    tok = load_tokenizer(make_format_model(tmp_path_factory.mktemp("unthinking") / "model",
+                                           ("<tool_call>", "</tool_call>")))
     assert tok.has_tool_calling and not tok.has_thinking
     return tok
 
