@@ -428,8 +428,10 @@ class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
         return [d for d in self.tool_defs() if allowed is None or d["name"] in allowed]
 
     def restricts_calls(self) -> bool:
-        """Whether `allowed_tools` leaves some tools out of the calls."""
-        return len(self.callable_defs()) < len(self.tools or [])
+        """Whether `allowed_tools` leaves some tools out of the calls (its names are
+        checked to be among the tools)."""
+        allowed = self._allowed()
+        return allowed is not None and len(set(allowed)) < len(self.tools)
 
     def template_kwargs(self) -> dict | None:
         """`chat_template_kwargs`, with `reasoning_effort` unless they set it."""

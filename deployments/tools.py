@@ -94,6 +94,7 @@ def _rebased(node, base: str):
 
 
 JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # the format `auto_constraint` can hold
+FREE = "/(.|\\n)*/"                                # any text, in the grammar's terms
 
 
 def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict | None = None,
@@ -133,9 +134,6 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
         rules.append(_until(_marker(tokenizer, tokenizer.think_end), "thought"))
         opening = "thought " if reasoning == "thinking" else f"({_marker(tokenizer, tokenizer.think_start)} thought)? "
     return StructuredOutputsParams(grammar="\n".join([f"start: {opening}body", *rules]), param="tools")
-
-
-FREE = "/(.|\\n)*/"
 
 
 def _until(marker: str, rule: str, text: str = FREE) -> str:
