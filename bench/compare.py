@@ -5,8 +5,9 @@ process, and (on CUDA) with gather instead of kernel attention. Opt-in
 `ours-direct-ingress`: the app under Ray Serve's direct ingress, where the ingress
 replica serves HTTP itself and no proxy relays requests and stream chunks; opt-in
 `ours-haproxy`: the app under Ray Serve's HAProxy mode, where HAProxy takes the HTTP
-port in front of the ingress replicas' own ports, in place of Serve's Python proxy;
-opt-in `ours-2-ingress`: the split app (below) with two ingress replicas behind the
+port in front of the ingress replicas' own ports, in place of Serve's Python proxy
+(the sweep, prefix and multi-turn; `ours-haproxy-no-apc`: prefix and multi-turn with the
+prefix cache off, for APC on / off without the proxy's hop); opt-in `ours-2-ingress`: the split app (below) with two ingress replicas behind the
 proxy, and `ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
 `ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in
 `ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
@@ -121,12 +122,14 @@ TWO_INGRESS = {"num_replicas": 2, "max_ongoing_requests": 1024, "ray_actor_optio
 class Variant:
     """Our app with one thing changed: `label` names its rows' workload, `setting` is
     recorded in each row, `engine` updates the engine settings and `serve` is the rest
-    of `ours()`'s arguments (front, env, app arguments)."""
+    of `ours()`'s arguments (front, env, app arguments). `workloads`: those it runs (of
+    those asked for); most vary the serving path, which the sweep measures."""
 
     label: str
     setting: dict
     serve: dict
     engine: dict | None = None
+    workloads: tuple[str, ...] = ("random",)
 
     def app(self, model: str, engine: dict, name: str, extra: dict):
         """`ours()` with this variant's changes, its target named `name`."""
@@ -137,7 +140,11 @@ VARIANTS = {
     "ours-gather": Variant("attention=gather", {"attention_backend": "gather"}, {},
                            {"attention_backend": "gather"}),
     "ours-direct-ingress": Variant("direct ingress", {"direct_ingress": True}, {"front": "direct"}),
-    "ours-haproxy": Variant("HAProxy", {"front": "haproxy"}, {"front": "haproxy"}),
+    "ours-haproxy": Variant("HAProxy", {"front": "haproxy"}, {"front": "haproxy"},
+                            workloads=("random", "prefix", "multi-turn")),
+    "ours-haproxy-no-apc": Variant("HAProxy, APC off", {"front": "haproxy", "enable_prefix_caching": False},
+                                   {"front": "haproxy"}, {"enable_prefix_caching": False},
+                                   workloads=("prefix", "multi-turn")),
     "ours-grpc": Variant("proxy to replicas over gRPC", {"front": "grpc"}, {"front": "grpc"}),
     "ours-2-ingress": Variant("2 ingress replicas", {"front": "proxy", "ingress_replicas": 2},
                               {"colocate": False, "ingress": TWO_INGRESS}),
@@ -470,40 +477,35 @@ class Workloads:
 
 
 def _plan_of(workload: str) -> str:
-    return {"random-poisson": "poisson"}.get(workload, "random" if workload.startswith("random") else workload)
+    """The workload a row's name stands for: `prefix (HAProxy)` is a variant's prefix row."""
+    base = workload.split(" (")[0]
+    return {"random-poisson": "poisson"}.get(base, base)
 
 
 def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None,
-               keep: Callable[[dict], None]) -> None:
+               keep: Callable[[dict], None], label: str | None = None, **setting) -> None:
     """Runs `plan`'s workloads (those asked for) on `target`, handing each row to `keep`
-    as soon as it is measured."""
+    as soon as it is measured. `label`: a variant of our app, whose rows are named
+    `<workload> (label)`, sweep the variant's concurrency points and record `setting`."""
     plan = plan & set(args.workloads)
     if not plan:
         return
+    name = (lambda w: f"{w} ({label})") if label else (lambda w: w)  # noqa: E731
+    points = (args.variant_concurrency if label else None) or args.concurrency
     t0 = time.perf_counter()
-    warm_up(target, wl, plan)
+    warm_up(target, wl, plan, points=points if label and "random" in plan else None)
     print(f"   {target.name}: warm-up {time.perf_counter() - t0:.0f} s", flush=True)
     if "random" in plan:
-        for c in args.concurrency:
-            keep(to_row(target, "random", measure(target, wl.random(c), concurrency=c)))
+        for c in points:
+            keep(to_row(target, name("random"), measure(target, wl.random(c), concurrency=c), **setting))
     if "poisson" in plan and rate:
-        keep(to_row(target, "random-poisson", measure(target, wl.poisson(), rate=rate, seed=1)))
+        keep(to_row(target, name("random-poisson"), measure(target, wl.poisson(), rate=rate, seed=1), **setting))
     if "prefix" in plan:
-        keep(to_row(target, "prefix", measure(target, wl.prefix(), concurrency=args.prefix_concurrency),
-                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes))
+        keep(to_row(target, name("prefix"), measure(target, wl.prefix(), concurrency=args.prefix_concurrency),
+                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, **setting))
     if "multi-turn" in plan:
-        keep(to_row(target, "multi-turn", measure(target, wl.multi_turn(), concurrency=args.num_sessions),
-                    sessions=args.num_sessions, turns=args.turns))
-
-
-def variant_sweep(target: Target, wl: Workloads, args, label: str, keep: Callable[[dict], None],
-                  **setting) -> None:
-    """The concurrency sweep of our app run with one setting changed: rows of workload
-    `random (label)`, the setting recorded in each row."""
-    points = args.variant_concurrency or args.concurrency
-    warm_up(target, wl, points=points)
-    for c in points:
-        keep(to_row(target, f"random ({label})", measure(target, wl.random(c), concurrency=c), **setting))
+        keep(to_row(target, name("multi-turn"), measure(target, wl.multi_turn(), concurrency=args.num_sessions),
+                    sessions=args.num_sessions, turns=args.turns, **setting))
 
 
 def mlx_lm_sweep(rows: list[dict]) -> list[dict]:
@@ -593,6 +595,10 @@ def headline(rows: list[dict], args) -> dict:
     if ok(on) and ok(off):
         h["apc_ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
         h["apc_ttft_mean_speedup"] = off["ttft_mean_s"] / on["ttft_mean_s"]
+    on, off = pick(rows, "ours", "prefix (HAProxy)"), pick(rows, "ours", "prefix (HAProxy, APC off)")
+    if ok(on) and ok(off):
+        h["apc_ttft_p50_speedup_haproxy"] = off["ttft_p50_s"] / on["ttft_p50_s"]
+        h["apc_ttft_mean_speedup_haproxy"] = off["ttft_mean_s"] / on["ttft_mean_s"]
     mem = [(pick(rows, "ours-bare-engine", "kv-memory", c), pick(rows, "mlx_lm.server", "kv-memory", c))
            for c in sorted({r["concurrency"] for r in rows if r["workload"] == "kv-memory"})]
     mem = [(a, b) for a, b in mem if a and b]
@@ -633,7 +639,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax[1, 0].plot(*zip(*pts), marker="o", label=lab)
     ax[1, 0].set(xscale="log", xlabel="concurrency", ylabel="peak KV MiB", title="KV memory vs concurrency")
     bars = sorted((f"{r['system']}\n{r['workload']}", r["ttft_p50_s"]) for r in rows
-                  if r["workload"] in ("prefix", "multi-turn") and r["ttft_p50_s"] is not None)
+                  if _plan_of(r["workload"]) in ("prefix", "multi-turn") and r["ttft_p50_s"] is not None)
     if bars:
         ax[1, 1].barh([b[0] for b in bars], [b[1] for b in bars])
         ax[1, 1].set(xscale="log", xlabel="TTFT p50 (s)", title="Prefix reuse: TTFT p50")
@@ -784,7 +790,7 @@ def main(argv=None):
                 skipped[name] = "no attention kernel on this device: 'auto' already runs gather here"
                 continue
             with v.app(model, engine, "ours", extra) as t:
-                variant_sweep(t, wl, args, v.label, keep, **v.setting)
+                run_system(t, wl, args, set(v.workloads), rate, keep, v.label, **v.setting)
         meta["poisson_rate_req_s"] = rate
         save(out, rows, meta)
         if len(rows) > n_before:

@@ -37,6 +37,19 @@ def test_headline_of_a_partial_bundle_leaves_out_what_it_cannot_compare():
     assert abs(h["apc_ttft_p50_speedup"] - 5.0) < 1e-9
 
 
+def test_a_variants_prefix_rows_are_compared_with_each_other():
+    """HAProxy's APC on / off pairs its own two variant rows, never the proxy's; a
+    variant's row counts as its workload when a --merge run replaces rows."""
+    rows = [_row("ours", "prefix", 8, 400.0, 0.05), _row("ours-no-apc", "prefix", 8, 200.0, 0.1),
+            _row("ours", "prefix (HAProxy)", 8, 400.0, 0.02), _row("ours", "prefix (HAProxy, APC off)", 8, 200.0, 0.09)]
+    h = compare.headline(rows, None)
+    assert abs(h["apc_ttft_p50_speedup"] - 2.0) < 1e-9
+    assert abs(h["apc_ttft_p50_speedup_haproxy"] - 4.5) < 1e-9
+    assert [compare._plan_of(w) for w in ("prefix (HAProxy, APC off)", "random (HAProxy)", "random-poisson")] == \
+        ["prefix", "random", "poisson"]
+    assert compare.VARIANTS["ours-haproxy-no-apc"].engine == {"enable_prefix_caching": False}
+
+
 def test_warm_up_runs_only_the_sweep_points_its_workloads_reach():
     """A Poisson-only run must not warm a 256-stream burst its arrivals never reach
     (mlx_lm.server stops generating after one); prefix and multi-turn need no sweep."""
