@@ -9,13 +9,13 @@ model wrote becomes OpenAI `tool_calls`.
   mlx-lm's tokenizer knows for its family (`tool_call_start`, `tool_call_end`), and
   mlx-lm's parser for that family reads them. Text outside the markers is the
   message's content. A model without such a parser cannot do "auto". Where the family
-  writes JSON between its markers (mlx-lm's `json_tools`: Qwen, Hermes), a grammar
-  (`auto_constraint`) holds each call to one of the functions, a strict one's arguments
-  to its schema, when a function is `strict` or the answer has a `response_format`:
-  the text is free, or, with a response format, either one or more calls or the answer
-  in that format (OpenAI's behaviour; a response format alone would rule every call
-  out). In other formats `strict` is not enforced under "auto", as in vLLM, and a
-  response format holds the whole output.
+  writes its calls as JSON (mlx-lm's `json_tools`: Qwen, Hermes, between markers; its
+  `mistral`: after `[TOOL_CALLS]`), a grammar (`auto_constraint`) holds each call to one
+  of the functions, a strict one's arguments to its schema, when a function is `strict`
+  or the answer has a `response_format`: the text is free, or, with a response format,
+  either one or more calls or the answer in that format (OpenAI's behaviour; a response
+  format alone would rule every call out). In other formats `strict` is not enforced
+  under "auto", as in vLLM, and a response format holds the whole output.
 - `allowed_tools`: every tool is shown to the template, and calls may name only the
   listed ones: "required" as above over those; "auto" through `auto_constraint`'s
   grammar (other formats: not enforced).
@@ -93,16 +93,20 @@ def _rebased(node, base: str):
     return node
 
 
-JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # the format `auto_constraint` can hold
+JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"   # JSON between markers (Qwen, Hermes)
+MISTRAL = "mlx_lm.tool_parsers.mistral"         # [TOOL_CALLS], then the calls to the end
 FREE = "/(.|\\n)*/"                                # any text, in the grammar's terms
+NOT_AN_OBJECT = r"/(\s*|\s*[^{\s](.|\n)*)/"       # text that does not open a JSON object
 
 
 def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict | None = None,
                     reasoning: str = "answer", restricted: bool = False) -> StructuredOutputsParams | None:
-    """For tool_choice "auto" in the JSON-between-markers format: each call (one at most
-    without `parallel`) between the markers as `{"name": ..., "arguments": ...}` naming
-    one of the tools, a strict one's arguments held to its schema, another's to any
-    object; around the calls, free text. With `answer` (the response format's JSON
+    """For tool_choice "auto" in a format whose calls are JSON: each call (one at most
+    without `parallel`) names one of the tools, a strict one's arguments held to its
+    schema, another's to any object; before the calls, free text. JSON between markers
+    (`json_tools`): `{"name": ..., "arguments": ...}` between the markers, with free
+    text around and between the calls. Mistral: the calls after `[TOOL_CALLS]` to the
+    end of the text (`_mistral_calls`). With `answer` (the response format's JSON
     schema), the output is either that (one call at least) or the answer alone, in the
     schema. `tools`: those a call may name; `restricted`: the request's other tools are
     left out of them (`allowed_tools`). None where no function is strict, no answer
@@ -112,28 +116,66 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
     the free text lazily, and the text after the last call may not contain it. The
     grammar holds the whole text, so a thinking model's reasoning comes first, free, as
     `reasoning` (`reasoning_state` of the prompt) says it may or must."""
-    if getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS or (
+    fmt = getattr(tokenizer.tool_parser, "__module__", None)
+    if fmt not in (JSON_TOOLS, MISTRAL) or (
             answer is None and not restricted and not any(t.get("strict") for t in tools)):
         return None
-    args, defs = _placed([_parameters(t) if t.get("strict") else {"type": "object"} for t in tools])
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a},
-              "required": ["name", "arguments"], "additionalProperties": False} for t, a in zip(tools, args)]
-    start, end = (_marker(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end))
-    if answer is None:
-        rules = [f"body: call{'*' if parallel else '?'} TEXT"]
-    else:   # text before the first call cannot open the answer's object: llguidance's lexer
-            # would follow the text and lose the answer
-        rules = [f"body: first{' call*' if parallel else ''} TEXT | answer", f"first: lead NL fn NL {end}",
-                 _until(start, "lead", r"/(\s*|\s*[^{\s](.|\n)*)/"),
-                 f"answer: /\\s*/ %json {json.dumps({**answer, 'x-guidance': JSON_OPTIONS})}"]
-    text = FREE if start.startswith("<") else f"{FREE} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
-    rules += [f"call: head NL fn NL {end}", _until(start, "head"), f"TEXT: {text}", "NL: /\\n?/",
-              f"fn: %json {json.dumps({'anyOf': calls, **defs, 'x-guidance': JSON_OPTIONS})}"]
+    start = _marker(tokenizer, tokenizer.tool_call_start)
+    if fmt == JSON_TOOLS:
+        args, defs = _placed([_arguments(t) for t in tools])
+        calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t, a in zip(tools, args)]
+        end = _marker(tokenizer, tokenizer.tool_call_end)
+        rules = [f"call: head NL fn NL {end}", _until(start, "head"), "NL: /\\n?/",
+                 _json_rule("fn", {"anyOf": calls, **defs})]
+        plain, after = f"call{'*' if parallel else '?'} TEXT", f"NL fn NL {end}{' call*' if parallel else ''} TEXT"
+    else:
+        rules, plain, after = _mistral_calls(tokenizer, tools, parallel, start), "TEXT | head calls", "calls"
+        if answer is None:
+            rules.append(_until(start, "head"))
+    body = plain if answer is None else f"lead {after} | answer"
+    rules.insert(0, f"body: {body}")
+    if answer is not None:   # text before the first call cannot open the answer's object:
+                             # llguidance's lexer would follow the text and lose the answer
+        rules += [_until(start, "lead", NOT_AN_OBJECT), _json_rule("answer", answer, "/\\s*/ ")]
+    if "TEXT" in body:
+        text = FREE if start.startswith("<") else f"{FREE} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
+        rules.append(f"TEXT: {text}")
     opening = ""
     if reasoning != "answer" and getattr(tokenizer, "has_thinking", False):
         rules.append(_until(_marker(tokenizer, tokenizer.think_end), "thought"))
         opening = "thought " if reasoning == "thinking" else f"({_marker(tokenizer, tokenizer.think_start)} thought)? "
     return StructuredOutputsParams(grammar="\n".join([f"start: {opening}body", *rules]), param="tools")
+
+
+def _mistral_calls(tokenizer, tools: list[dict], parallel: bool, start: str) -> list[str]:
+    """The rules of Mistral's `calls`, which run from `[TOOL_CALLS]` to the end of the
+    text. Newer templates (those that write `[ARGS]`)
+    give each call as `name[ARGS]{...}` after a `[TOOL_CALLS]` of its own; older ones
+    one JSON list of `{"name": ..., "arguments": ...}` objects (each may carry its
+    `id`), as mlx-lm's parser reads either."""
+    if "[ARGS]" not in (getattr(tokenizer, "chat_template", None) or ""):
+        args, defs = _placed([_arguments(t) for t in tools])
+        one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a, "id": {"type": "string"}},
+                "required": ["name", "arguments"], "additionalProperties": False} for t, a in zip(tools, args)]
+        listed = {"type": "array", "minItems": 1, "items": {"anyOf": one}, **defs}
+        if not parallel:
+            listed["maxItems"] = 1
+        return [_json_rule("calls", listed, "/\\s*/ ")]
+    sep = _marker(tokenizer, "[ARGS]")
+    rules = [f"calls: fn{f' ({start}? fn)*' if parallel else ''}",
+             "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
+    rules += [_json_rule(f"fn{i}", _arguments(t), f"{json.dumps(t['name'])} {sep} ") for i, t in enumerate(tools)]
+    return rules
+
+
+def _arguments(tool: dict) -> dict:
+    """What a call's arguments are held to: a strict tool's parameters, else any object."""
+    return _parameters(tool) if tool.get("strict") else {"type": "object"}
+
+
+def _json_rule(rule: str, schema: dict, lead: str = "") -> str:
+    return f"{rule}: {lead}%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
 def _until(marker: str, rule: str, text: str = FREE) -> str:

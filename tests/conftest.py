@@ -61,16 +61,39 @@ FORMAT_TEMPLATE = (
 )
 
 
-def make_format_model(out, added_tokens: tuple[str, ...]) -> str:
-    """A small random-weight model with `added_tokens` in its vocabulary and
-    `FORMAT_TEMPLATE` as its chat template."""
+# Mistral's call format as its newer templates write it (each call `[TOOL_CALLS]name[ARGS]{...}`);
+# without "[ARGS]", as older ones do: `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`.
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{{ message.content or '' }}"
+    "{%- for tc in message.tool_calls or [] %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]"
+    "{{ tc.function.arguments | tojson }}{% endfor %}</s>"
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{%- else %}[INST]{{ message.content }}[/INST]{% endif %}{% endfor %}"
+)
+MISTRAL_LIST_TEMPLATE = MISTRAL_TEMPLATE.replace(
+    "[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}",
+    '[TOOL_CALLS] [{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}]')
+
+
+def make_format_model(out, added_tokens: tuple[str, ...], template: str = FORMAT_TEMPLATE,
+                      special: bool = False) -> str:
+    """A small random-weight model with `added_tokens` in its vocabulary and `template`
+    as its chat template; `special`: the added tokens flagged special, so that decoding
+    that skips special tokens drops them (Mistral's markers are)."""
     import json
 
     out = make_model(out, hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384, seed=4,
                      added_tokens=added_tokens)
     config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = FORMAT_TEMPLATE
+    config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+    if special:
+        tok = json.loads((out / "tokenizer.json").read_text())
+        for t in tok["added_tokens"]:
+            t["special"] = t["special"] or t["content"] in added_tokens
+        (out / "tokenizer.json").write_text(json.dumps(tok))
     return str(out)
 
 
@@ -80,6 +103,14 @@ def format_model(tmp_path_factory):
     template is `FORMAT_TEMPLATE`: mlx-lm gives its tokenizer a thinking format and a
     tool parser."""
     return make_format_model(tmp_path_factory.mktemp("format-model") / "model", ("<think>", "</think>"))
+
+
+@pytest.fixture(scope="session")
+def mistral_model(tmp_path_factory):
+    """A random-weight model of Mistral's call format (`MISTRAL_TEMPLATE`), its
+    "[TOOL_CALLS]" and "[ARGS]" special tokens as in Mistral's tokenizers."""
+    return make_format_model(tmp_path_factory.mktemp("mistral-model") / "model", ("[TOOL_CALLS]", "[ARGS]"),
+                             MISTRAL_TEMPLATE, special=True)
 
 
 @functools.lru_cache(maxsize=8)

@@ -20,7 +20,7 @@ from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
 from runtime.structured_output import GrammarCompiler, reasoning_state
 
-from .conftest import make_format_model
+from .conftest import MISTRAL_LIST_TEMPLATE, MISTRAL_TEMPLATE, make_format_model
 
 WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
@@ -311,6 +311,78 @@ def test_a_model_that_does_not_think_gets_the_call_grammar_too(unthinking_tokeni
     assert held(strict, "Let me look." + CALL % "Paris") and not held(strict, CALL % "Rome")
     either = auto_constraint([WEATHER], True, tok, answer, reasoning_state(tok, []))
     assert held(either, '{"temp": 21}') and held(either, CALL % "Oslo") and not held(either, "Warm.")
+
+
+MISTRAL_CALL = '[TOOL_CALLS]get_weather[ARGS]{"city": "%s"}'
+MISTRAL_LIST = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "%s"}}]'
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizers(mistral_model, tmp_path_factory):
+    """Tokenizers of Mistral's call format (mlx-lm's `mistral` parser): "name[ARGS]{...}"
+    with its markers as special tokens, as Mistral's tokenizers have them, or as text;
+    and an older template's JSON list."""
+    def tok(name, template, added):
+        t = load_tokenizer(make_format_model(tmp_path_factory.mktemp(name) / "model", added, template))
+        assert t.tool_parser.__module__ == "mlx_lm.tool_parsers.mistral" and t.tool_call_start == "[TOOL_CALLS]"
+        return t
+    return {"marker-tokens": load_tokenizer(mistral_model),
+            "text-markers": tok("mistral-text", MISTRAL_TEMPLATE, ()),
+            "list": tok("mistral-list", MISTRAL_LIST_TEMPLATE, ("[TOOL_CALLS]",))}
+
+
+@pytest.mark.parametrize("kind", ["marker-tokens", "text-markers"])
+def test_strict_auto_tools_in_mistrals_format(mistral_tokenizers, kind):
+    """Mistral writes its calls after `[TOOL_CALLS]`, to the end of the text, each as
+    `name[ARGS]{...}`: text before them is free, a call names a tool, a strict tool's
+    arguments are held to its schema, and nothing but calls follows the first; what the
+    grammar lets through, mlx-lm's parser reads as the calls."""
+    tok = mistral_tokenizers[kind]
+    held = _held_by(tok)
+    strict = {**WEATHER, "strict": True}
+    c = auto_constraint([strict, CLOCK], True, tok)
+    assert ("<[" in c.grammar) == (kind == "marker-tokens")
+    two = MISTRAL_CALL % "Oslo" + MISTRAL_CALL % "Paris"
+    assert held(c, "No call here, only [ and [TOOL text.") and held(c, "Let me look." + MISTRAL_CALL % "Paris")
+    assert held(c, two) and held(c, MISTRAL_CALL % "Oslo" + 'get_weather[ARGS]{"city": "Paris"}')
+    assert held(c, '[TOOL_CALLS]get_time[ARGS]{"zone": 5}')                  # not strict: any object
+    assert not held(c, MISTRAL_CALL % "Rome") and not held(c, MISTRAL_CALL.replace("weather", "news") % "Oslo")
+    assert not held(c, MISTRAL_CALL % "Oslo" + " Done.")
+    assert not held(auto_constraint([strict, CLOCK], False, tok), two)
+    assert auto_constraint([WEATHER, CLOCK], True, tok) is None
+    message, reason = ToolOutput("auto", tok, [strict, CLOCK]).message("Let me look." + two, "stop")
+    assert reason == "tool_calls" and message["content"] == "Let me look."
+    assert _plain(message["tool_calls"]) == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Paris"})]
+
+
+def test_strict_auto_tools_in_mistrals_older_list(mistral_tokenizers):
+    """A template without `[ARGS]` has its calls as one JSON list after `[TOOL_CALLS]`."""
+    tok = mistral_tokenizers["list"]
+    held = _held_by(tok)
+    strict = {**WEATHER, "strict": True}
+    c = auto_constraint([strict, CLOCK], True, tok)
+    listed = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}, ' \
+             '{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    assert held(c, "Sure." + MISTRAL_LIST % "Paris") and held(c, listed) and held(c, "No call.")
+    assert not held(c, MISTRAL_LIST % "Rome") and not held(c, MISTRAL_LIST % "Paris" + " Done.")
+    assert not held(auto_constraint([strict, CLOCK], False, tok), listed)
+    message, reason = ToolOutput("auto", tok, [strict, CLOCK]).message(listed, "stop")
+    assert reason == "tool_calls" and _plain(message["tool_calls"]) == [("get_weather", {"city": "Oslo"}),
+                                                                        ("get_time", {"zone": "UTC"})]
+
+
+@pytest.mark.parametrize("kind", ["marker-tokens", "text-markers", "list"])
+def test_mistral_auto_tools_with_a_response_format_give_calls_or_the_answer(mistral_tokenizers, kind):
+    tok = mistral_tokenizers[kind]
+    held = _held_by(tok)
+    answer = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"],
+              "additionalProperties": False}
+    call = (MISTRAL_LIST if kind == "list" else MISTRAL_CALL) % "Paris"
+    for tools in ([WEATHER, CLOCK], [{**WEATHER, "strict": True}, CLOCK]):
+        c = auto_constraint(tools, True, tok, answer)
+        assert held(c, '{"temp": 21}') and held(c, ' {"temp": 21}') and held(c, call) and held(c, "Sure." + call)
+        assert not held(c, '{"temp": "warm"}') and not held(c, "It is warm.") and not held(c, '{"temp": 21} more')
+    assert not held(auto_constraint([{**WEATHER, "strict": True}], True, tok, answer), call.replace("Paris", "Rome"))
 
 
 def test_tools_made_from_pydantic_models_keep_their_refs(tokenizer):

@@ -26,9 +26,9 @@ MODEL = "default"
 
 
 @pytest.fixture(scope="module")
-def server(format_model):
+def server(format_model, mistral_model):
     """Each app twice: as two deployments (ingress and LLMServer) and colocated; and the
-    embedded model with a chat template that has a tool-call format."""
+    embedded model with a chat template that has a tool-call format, and with Mistral's."""
     small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
     apps = []
@@ -45,6 +45,8 @@ def server(format_model):
                             "max_ongoing_requests": 1, "max_queued_requests": 1}, **split),
         ]
     apps.append(app("formats", "/formats", model=format_model, served_model_name=MODEL, engine=small, colocate=True,
+                    llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
+    apps.append(app("mistral", "/mistral", model=mistral_model, served_model_name=MODEL, engine=small, colocate=True,
                     llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
     srv = ServeRun(apps)
     yield srv
@@ -462,6 +464,34 @@ def test_auto_tools_beside_a_response_format_and_reasoning(server):
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     reasoned = client.chat.completions.create(**kw, tools=[strict, CLOCK], logit_bias={token("<think>"): 100})
     assert getattr(reasoned.choices[0].message, "reasoning", None)
+
+
+def test_mistrals_calls_under_auto(server):
+    """Mistral's format (its markers special tokens, so the text keeps them only because
+    "auto" decodes them): pushed to call, the model writes `[TOOL_CALLS]name[ARGS]{...}`
+    held by the call grammar to the strict function, which comes back as the call,
+    whole and streamed; beside a response format it may answer in the format instead."""
+    url = server.urls["mistral"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    ids = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "[TOOL_CALLS]{", "add_special_tokens": False})
+    marker, brace = (str(i) for i in ids.json()["tokens"])
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=40, tools=[strict],
+              parallel_tool_calls=False, logit_bias={marker: 100})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    _weather_args(call.function.arguments)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [c.function.arguments for c in calls] == [call.function.arguments]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    empty = {"type": "json_schema", "json_schema": {"name": "empty", "schema": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    answered = client.chat.completions.create(**{**kw, "tools": [WEATHER, CLOCK], "logit_bias": {brace: 100}},
+                                              response_format=empty).choices[0]
+    assert (answered.message.content, answered.message.tool_calls, answered.finish_reason) == ("{}", None, "stop")
 
 
 def test_an_agent_frameworks_turn_is_served(server):
