@@ -7,10 +7,10 @@ replica serves HTTP itself and no proxy relays requests and stream chunks; opt-i
 `ours-haproxy`: the app under Ray Serve's HAProxy mode, where HAProxy takes the HTTP
 port in front of the ingress replicas' own ports, in place of Serve's Python proxy
 (the sweep, prefix and multi-turn; `ours-haproxy-no-apc`: prefix and multi-turn with the
-prefix cache off, for APC on / off without the proxy's hop); opt-in `ours-2-ingress`: the split app (below) with two ingress replicas behind the
-proxy, and `ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
-`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in
-`ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
+prefix cache off, for APC on / off without the proxy's hop); opt-in `ours-2-ingress`:
+the split app (below) with two ingress replicas behind the proxy, and
+`ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
+`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in `ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
 through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shipped
 `configs/config.yaml` colocates front and engine in one replica; opt-in `ours-ray-nice`:
 the app with its engine left at the niceness Ray gives its workers (15) instead of 0;
@@ -595,7 +595,7 @@ def headline(rows: list[dict], args) -> dict:
     if ok(on) and ok(off):
         h["apc_ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
         h["apc_ttft_mean_speedup"] = off["ttft_mean_s"] / on["ttft_mean_s"]
-    on, off = pick(rows, "ours", "prefix (HAProxy)"), pick(rows, "ours", "prefix (HAProxy, APC off)")
+    on, off = (pick(rows, "ours", f"prefix ({VARIANTS[v].label})") for v in ("ours-haproxy", "ours-haproxy-no-apc"))
     if ok(on) and ok(off):
         h["apc_ttft_p50_speedup_haproxy"] = off["ttft_p50_s"] / on["ttft_p50_s"]
         h["apc_ttft_mean_speedup_haproxy"] = off["ttft_mean_s"] / on["ttft_mean_s"]

@@ -60,13 +60,25 @@ def constraint(tools: list[dict], choice: str | None, parallel: bool) -> Structu
     if choice != "required":
         tool = next(t for t in tools if t["name"] == choice)
         return StructuredOutputsParams(json=_parameters(tool), param="tools")
-    params, defs = _placed([_parameters(t) for t in tools])
-    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "parameters": p},
-            "required": ["name", "parameters"], "additionalProperties": False} for t, p in zip(tools, params)]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one}, **defs}
+    return StructuredOutputsParams(json=_call_list(tools, [_parameters(t) for t in tools], "parameters", parallel),
+                                   param="tools")
+
+
+def _call_objects(tools: list[dict], schemas: list[dict], key: str, **extra) -> tuple[list[dict], dict]:
+    """One object schema per tool, `{"name": its name, key: its schema}` (`extra`: optional
+    properties besides), and the root keys (`$defs`) the schema holding them needs."""
+    placed, defs = _placed(schemas)
+    return [{"type": "object", "properties": {"name": {"const": t["name"]}, key: s, **extra},
+             "required": ["name", key], "additionalProperties": False} for t, s in zip(tools, placed)], defs
+
+
+def _call_list(tools: list[dict], schemas: list[dict], key: str, parallel: bool, **extra) -> dict:
+    """A JSON list of such objects: one at least, one at most without `parallel`."""
+    objects, defs = _call_objects(tools, schemas, key, **extra)
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": objects}, **defs}
     if not parallel:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema, param="tools")
+    return schema
 
 
 def _placed(schemas: list[dict]) -> tuple[list[dict], dict]:
@@ -122,9 +134,7 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
         return None
     start = _marker(tokenizer, tokenizer.tool_call_start)
     if fmt == JSON_TOOLS:
-        args, defs = _placed([_arguments(t) for t in tools])
-        calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t, a in zip(tools, args)]
+        calls, defs = _call_objects(tools, [_arguments(t) for t in tools], "arguments")
         end = _marker(tokenizer, tokenizer.tool_call_end)
         rules = [f"call: head NL fn NL {end}", _until(start, "head"), "NL: /\\n?/",
                  _json_rule("fn", {"anyOf": calls, **defs})]
@@ -150,17 +160,11 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
 
 def _mistral_calls(tokenizer, tools: list[dict], parallel: bool, start: str) -> list[str]:
     """The rules of Mistral's `calls`, which run from `[TOOL_CALLS]` to the end of the
-    text. Newer templates (those that write `[ARGS]`)
-    give each call as `name[ARGS]{...}` after a `[TOOL_CALLS]` of its own; older ones
-    one JSON list of `{"name": ..., "arguments": ...}` objects (each may carry its
-    `id`), as mlx-lm's parser reads either."""
+    text. Newer templates (those that write `[ARGS]`) give each call as `name[ARGS]{...}`
+    after a `[TOOL_CALLS]` of its own; older ones one JSON list of `{"name": ...,
+    "arguments": ...}` objects (each may carry its `id`), as mlx-lm's parser reads either."""
     if "[ARGS]" not in (getattr(tokenizer, "chat_template", None) or ""):
-        args, defs = _placed([_arguments(t) for t in tools])
-        one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": a, "id": {"type": "string"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t, a in zip(tools, args)]
-        listed = {"type": "array", "minItems": 1, "items": {"anyOf": one}, **defs}
-        if not parallel:
-            listed["maxItems"] = 1
+        listed = _call_list(tools, [_arguments(t) for t in tools], "arguments", parallel, id={"type": "string"})
         return [_json_rule("calls", listed, "/\\s*/ ")]
     sep = _marker(tokenizer, "[ARGS]")
     rules = [f"calls: fn{f' ({start}? fn)*' if parallel else ''}",
