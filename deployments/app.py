@@ -19,6 +19,7 @@ from runtime.models import default_model_path
 from .colocated import ColocatedServer
 from .ingress import OpenAIIngress
 from .llm_server import LLMServer
+from .response_store import MAX_BYTES, MAX_RESPONSES, ResponseStore
 
 
 class DeploymentArgs(BaseModel):
@@ -39,6 +40,17 @@ class DeploymentArgs(BaseModel):
     graceful_shutdown_timeout_s: float = 20.0
 
 
+class ResponseStoreArgs(BaseModel):
+    """The Responses API's store (response_store.py): one replica that every ingress
+    replica calls, holding the newest responses in memory within both bounds."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    max_responses: int = Field(MAX_RESPONSES, ge=1)
+    max_bytes: int = Field(MAX_BYTES, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
     model: str = Field(default_factory=lambda: str(default_model_path()),
@@ -49,6 +61,10 @@ class AppArgs(BaseModel):
     llm_server: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(ray_actor_options={"num_cpus": 1}))
     ingress: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(ray_actor_options={"num_cpus": 0.2}))
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth")
+    response_store: ResponseStoreArgs = Field(
+        default_factory=ResponseStoreArgs,
+        description="keeps Responses API responses made with store (the default) for "
+                    "previous_response_id and GET/DELETE /v1/responses/{id}; enabled: false stores none")
     api_keys_env: str = "MLX_PAGED_SERVE_API_KEYS"
     max_request_body_bytes: int = 1 << 20
     max_prompt_tokens: Optional[int] = None
@@ -168,6 +184,11 @@ def build_app(args: AppArgs) -> serve.Application:
                    "engine_process": args.engine_process, "engine_nice": args.engine_nice,
                    "engine_threads": args.engine_threads, "stall_timeout_s": args.engine_stall_timeout_s}
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.share_replica_loop else {}
+    store = None
+    if args.response_store.enabled:
+        s = args.response_store
+        opts = _options(DeploymentArgs(ray_actor_options=s.ray_actor_options), INGRESS_MAX_ONGOING, env)
+        store = serve.deployment(ResponseStore, name="ResponseStore", **opts).bind(s.max_responses, s.max_bytes)
     if args.colocate:
         opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING, env), None
         if opts["max_queued_requests"] >= 0:
@@ -180,9 +201,9 @@ def build_app(args: AppArgs) -> serve.Application:
             opts["max_ongoing_requests"] = max_requests + OVERLOAD_MARGIN
             opts["max_queued_requests"] = max(max_requests, OVERLOAD_MARGIN)
         colocated = serve.deployment(ColocatedServer, name="OpenAIServer", **opts)
-        return colocated.bind(server_args, settings, max_requests)
+        return colocated.bind(server_args, settings, max_requests, store)
     server = serve.deployment(LLMServer, name="LLMServer",
                               **_options(args.llm_server, LLM_SERVER_MAX_ONGOING, env))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress",
                                **_options(args.ingress, INGRESS_MAX_ONGOING, env))
-    return ingress.bind(server.bind(**server_args), settings)
+    return ingress.bind(server.bind(**server_args), settings, store)

@@ -13,9 +13,9 @@ from .llm_server import LLMServer
 
 
 class ColocatedServer(OpenAIIngress):
-    def __init__(self, server_args: dict, settings: dict, max_requests: int | None = None):
+    def __init__(self, server_args: dict, settings: dict, max_requests: int | None = None, store=None):
         self.server = LLMServer(**server_args)
-        super().__init__(LocalLLM(self.server, max_requests), settings)
+        super().__init__(LocalLLM(self.server, max_requests), settings, store)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop has died."""

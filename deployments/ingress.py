@@ -33,6 +33,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from .chat_output import ChoiceParser
 from .reasoning import ReasoningSplit
+from .response_store import StoreClient
 from .responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
                         whole_response)
 from .responses import usage as response_usage
@@ -49,8 +50,10 @@ log = logging.getLogger("ray.serve")
 # Prompts shorter than `INLINE_PROMPT_CHARS` cost less than the hop to a thread and back.
 TOKENIZE_THREADS = 4
 INLINE_PROMPT_CHARS = 256
-# OpenAI's routes to stored responses and chat completions, under an id: nothing is stored.
+# OpenAI's routes to stored objects under an id: responses where the app keeps them
+# (response_store.py); chat completions are never stored.
 STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
+INPUT_ITEMS_MAX = 100
 
 
 class HTTPError(Exception):
@@ -91,9 +94,11 @@ def tenant_salt(api_key: str) -> str:
 
 
 class OpenAIIngress:
-    def __init__(self, llm_server, settings: dict):
-        """`llm_server`: a handle to the `LLMServer` deployment, or a `LocalLLM`."""
+    def __init__(self, llm_server, settings: dict, store=None):
+        """`llm_server`: a handle to the `LLMServer` deployment, or a `LocalLLM`;
+        `store`: a handle to the app's `ResponseStore` (or one), None to store nothing."""
         self.llm = llm_server if isinstance(llm_server, LocalLLM) else RemoteLLM(llm_server)
+        self.store = StoreClient(store) if store is not None else None
         self.s = settings
         self.model_name = settings["served_model_name"]
         self.api_keys = [k.encode() for k in settings.get("api_keys") or []]
@@ -266,10 +271,14 @@ class OpenAIIngress:
                 return await self.chat(await self._body(request, ChatCompletionRequest), api_key, t0)
             if path == "/v1/responses" and method == "POST":
                 return await self.responses(await self._body(request, ResponsesRequest), api_key, t0)
+            if path.startswith("/v1/responses/") and self.store is not None:
+                return await self.stored_response(path.removeprefix("/v1/responses/"), method,
+                                                  request.query_params, api_key)
             if path.startswith(STORED_PATHS) or (path == "/v1/chat/completions" and method == "GET"):
-                raise HTTPError(404, "this server stores no responses or chat completions (every request is "
-                                     "as with store: false), so none can be retrieved, listed, updated or "
-                                     "deleted; send the whole conversation with each request", code="not_found")
+                what = "chat completions" if self.store is not None else "responses or chat completions"
+                raise HTTPError(404, f"this server stores no {what} (every request is as with store: false), "
+                                     "so none can be retrieved, listed, updated or deleted; send the whole "
+                                     "conversation with each request", code="not_found")
             if path == "/tokenize" and method == "POST":
                 return JSONResponse(await self.tokenize(await self._body(request, TokenizeRequest)))
             if path == "/detokenize" and method == "POST":
@@ -473,7 +482,59 @@ class OpenAIIngress:
             e.param = _RESPONSES_PARAMS.get(e.param, e.param)
             raise
 
+    def _owner(self, api_key: str | None) -> str | None:
+        """Whose stored responses a request may read: its API key's tenant."""
+        return tenant_salt(api_key) if api_key is not None else None
+
+    async def _conversation(self, body: ResponsesRequest, owner: str | None) -> ResponsesRequest:
+        """The request with the stored conversation it continues (`previous_response_id`)
+        before its own input, every item with an id."""
+        history = []
+        if body.previous_response_id is not None:
+            if self.store is None:
+                raise HTTPError(400, "this server stores no responses: send the whole conversation in input "
+                                     "(as with store: false)", param="previous_response_id")
+            prev = await self.store.get(owner, body.previous_response_id)
+            if prev is None:
+                raise HTTPError(400, f"Previous response with id '{body.previous_response_id}' not found.",
+                                param="previous_response_id", code="previous_response_not_found")
+            history = prev.conversation
+        return body.with_input(history + body.input_items())
+
+    async def _keep(self, body: ResponsesRequest, owner: str | None, response: dict) -> None:
+        """Store a finished response, if asked; a store that fails costs the caller nothing
+        but the chain (logged)."""
+        if self.store is None or not body.stored:
+            return
+        try:
+            if not await self.store.put(owner, response, body.input_items()):
+                log.warning("response %s not stored: larger than response_store.max_bytes", response["id"])
+        except Exception:
+            log.exception("could not store response %s", response["id"])
+
+    async def stored_response(self, rest: str, method: str, query, api_key: str | None) -> Response:
+        """`GET` and `DELETE /v1/responses/{id}`, `GET .../input_items` (paged as OpenAI's
+        list: `limit`, `order`, `after`), and `POST .../cancel`, which only a background
+        response could take."""
+        rid, _, sub = rest.partition("/")
+        record = await self.store.get(self._owner(api_key), rid)
+        if record is None:
+            raise HTTPError(404, f"Response with id '{rid}' not found.", code="not_found")
+        if (method, sub) == ("GET", ""):
+            return JSONResponse(record.response)
+        if (method, sub) == ("DELETE", ""):
+            await self.store.delete(self._owner(api_key), rid)
+            return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        if (method, sub) == ("GET", "input_items"):
+            return JSONResponse(input_items_page(record.input_items, query))
+        if (method, sub) == ("POST", "cancel"):
+            raise HTTPError(400, "only a response created with background: true can be cancelled, and this "
+                                 "server creates none", code="not_background")
+        raise HTTPError(404, f"no route for {method} /v1/responses/{rest}", code="not_found")
+
     async def _respond(self, body: ResponsesRequest, api_key: str | None, t0: float) -> Response:
+        owner = self._owner(api_key)
+        body = await self._conversation(body, owner)
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body())
         except ValidationError as e:
@@ -482,11 +543,12 @@ class OpenAIIngress:
         markers = self._text_logprobs_markers(body)
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k())
         parser = parser or ChoiceParser
-        envelope = ResponseBody(body, self.model_name)
+        envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
         end = markers[1] if markers else None
         text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
+        keep = partial(self._keep, body, owner)
         if body.stream:
-            return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps),
+            return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps, keep),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)), named=True)
         out = await self._drain(first, gen, t0)
@@ -495,8 +557,9 @@ class OpenAIIngress:
         if text_lps is not None:
             text_lps.add(self._token_logprobs(o.token_ids, o.logprobs))
         usage = self._response_usage(out, end, any(kind == "reasoning" for kind, _ in parts))
-        return JSONResponse(whole_response(envelope, parts, o.finish_reason, usage, text_lps),
-                            headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+        response = whole_response(envelope, parts, o.finish_reason, usage, text_lps)
+        await keep(response)
+        return JSONResponse(response, headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
     def _text_logprobs_markers(self, body: ResponsesRequest) -> tuple[int, int] | None:
         """The model's think marker ids (`think_markers`). A 400 where output_text logprobs
@@ -515,7 +578,9 @@ class OpenAIIngress:
         return response_usage(u.prompt, u.completion, u.cached, thought)
 
     async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None,
-                               text_lps: TextLogprobs | None = None):
+                               text_lps: TextLogprobs | None, keep):
+        """The stream's events; `keep` stores the finished response before its last event
+        goes out, so a client may continue it as soon as it has that event."""
         timer, stream = RequestTimer(self.metrics, t0), ResponseEvents(envelope, text_lps)
         for ev in stream.opening():
             yield ev
@@ -531,7 +596,9 @@ class OpenAIIngress:
                     yield ev
         self._finish(timer, last)
         usage = self._response_usage(last, end_marker, stream.reasoned)
-        for ev in stream.closing(last.outputs[0].finish_reason, usage):
+        closing = stream.closing(last.outputs[0].finish_reason, usage)
+        await keep(closing[-1]["response"])
+        for ev in closing:
             yield ev
 
     def _token_logprobs(self, token_ids: list[int], lps) -> list[tuple[int, str, dict]]:
@@ -680,6 +747,31 @@ class OpenAIIngress:
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+def input_items_page(items: list[dict], query) -> dict:
+    """One page of a stored response's input items, as OpenAI lists them: `order` (`desc`,
+    the default, or `asc`), `after` (an item id: the items past it in that order) and
+    `limit` (1 to 100, default 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise HTTPError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= INPUT_ITEMS_MAX:
+        raise HTTPError(400, f"limit must be an integer from 1 to {INPUT_ITEMS_MAX}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise HTTPError(400, f"no input item with id {after!r} in this response", param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
 
 
 def _joined(a: dict, b: dict) -> dict:

@@ -373,7 +373,8 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 class Bookkeeping(_Strict):
     """OpenAI's bookkeeping fields of chat and Responses requests, which change nothing a
     model generates: accepted and left unused, so clients that always send them work.
-    Nothing is stored, whatever `store` says."""
+    A chat completion is never stored, whatever `store` says; a Responses request's
+    `store` decides whether its response is kept (responses.py)."""
 
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -4,8 +4,9 @@ A request's `instructions` and `input` items become chat messages, its function 
 chat tools and its `text.format` a `response_format`, so the same template, constraints
 and tool and reasoning parsing serve both endpoints. The choice's reasoning, text and
 tool calls come back as output items: whole, or as the API's stream of typed events
-(`ResponseEvents`). Nothing is stored, so every request carries its whole conversation,
-as with `store: false`; `previous_response_id` is refused with a 400 that says so.
+(`ResponseEvents`). A response made with `store` (the default) is kept by the app's
+store (response_store.py) with the items it was made from, so `previous_response_id`
+can continue it: its items, then its output, come before the request's own input.
 """
 
 import time
@@ -165,12 +166,35 @@ class ResponsesRequest(Bookkeeping):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.previous_response_id is not None:
-            raise ValueError("this server stores no responses: send the whole conversation in input "
-                             "(as with store: false)")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
         return self
+
+    @property
+    def stored(self) -> bool:
+        """Whether the response is to be kept: OpenAI's default, unless `store: false`."""
+        return self.store is not False
+
+    def input_items(self) -> list[dict]:
+        """The input as items a store keeps and lists back: each with an id, a message's
+        text as content parts."""
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        out = []
+        for item in items:
+            d = item.model_dump(exclude_none=True)
+            d.setdefault("id", _id(_ITEM_ID_PREFIX[d["type"]]))
+            if d["type"] != "reasoning":
+                d.setdefault("status", "completed")
+            if d["type"] == "message" and isinstance(d["content"], str):
+                kind = "output_text" if d["role"] == "assistant" else "input_text"
+                d["content"] = [{"type": kind, "text": d["content"]}]
+            out.append(d)
+        return out
+
+    def with_input(self, items: list[dict]) -> "ResponsesRequest":
+        """This request with `items` as its input (a stored conversation, then its own)."""
+        return ResponsesRequest.model_validate(
+            {**self.model_dump(by_alias=True, exclude_unset=True), "input": items})
 
     @property
     def wants_logprobs(self) -> bool:
@@ -238,8 +262,8 @@ class ResponsesRequest(Bookkeeping):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return out
 
-    def echo(self) -> dict:
-        """The request's settings, as a response repeats them."""
+    def echo(self, stored: bool) -> dict:
+        """The request's settings, as a response repeats them; `stored`: whether it is kept."""
         fmt = self.text.format if self.text and self.text.format else TextFormat(type="text")
         choice = self.tool_choice or ("auto" if self.tools else "none")
         return {
@@ -250,13 +274,16 @@ class ResponsesRequest(Bookkeeping):
             "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
             "reasoning": (self.reasoning or ReasoningConfig()).model_dump(exclude={"generate_summary"}),
-            "store": False, "metadata": self.metadata or {}, "previous_response_id": None,
+            "store": stored, "metadata": self.metadata or {}, "previous_response_id": self.previous_response_id,
             "truncation": "disabled", "user": self.user, "background": False,
         }
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def usage(prompt: int, output: int, cached: int, reasoning: int) -> dict:
@@ -278,9 +305,9 @@ def reasoning_tokens(token_ids: list[int], end_marker: int | None, reasoned: boo
 class ResponseBody:
     """One response's envelope: its id, creation time and the request's settings."""
 
-    def __init__(self, request: ResponsesRequest, model: str):
+    def __init__(self, request: ResponsesRequest, model: str, stored: bool = False):
         self.id, self.created_at = _id("resp"), int(time.time())
-        self.model, self.settings = model, request.echo()
+        self.model, self.settings = model, request.echo(stored)
 
     def body(self, status: str, output: list[dict], usage_: dict | None = None) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None

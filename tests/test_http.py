@@ -28,7 +28,8 @@ MODEL = "default"
 @pytest.fixture(scope="module")
 def server(format_model, mistral_model):
     """Each app twice: as two deployments (ingress and LLMServer) and colocated; and the
-    embedded model with a chat template that has a tool-call format, and with Mistral's."""
+    embedded model with a chat template that has a tool-call format, and with Mistral's
+    (that one without a response store)."""
     small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
     apps = []
@@ -47,7 +48,8 @@ def server(format_model, mistral_model):
     apps.append(app("formats", "/formats", model=format_model, served_model_name=MODEL, engine=small, colocate=True,
                     llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
     apps.append(app("mistral", "/mistral", model=mistral_model, served_model_name=MODEL, engine=small, colocate=True,
-                    llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
+                    llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0,
+                    response_store={"enabled": False}))
     srv = ServeRun(apps)
     yield srv
     srv.stop()
@@ -1007,30 +1009,103 @@ def test_replicas_share_their_event_loop_unless_told_not_to():
         return [(d.ray_actor_options.get("runtime_env") or {}).get("env_vars", {}) for d in deployments]
 
     key = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
-    assert [e[key] for e in env(build_app(AppArgs(colocate=True)))] == ["0"]
+    assert [e[key] for e in env(build_app(AppArgs(colocate=True)))] == ["0", "0"]   # the app, its response store
     split = build_app(AppArgs(llm_server={"ray_actor_options": {"num_cpus": 1, "runtime_env": {
-        "env_vars": {"MY_VAR": "1", key: "1"}}}}))
+        "env_vars": {"MY_VAR": "1", key: "1"}}}}, response_store={"enabled": False}))
     assert env(split) == [{key: "0"}, {key: "1", "MY_VAR": "1"}]   # ingress, then LLMServer
-    assert env(build_app(AppArgs(colocate=True, share_replica_loop=False))) == [{}]
+    assert env(build_app(AppArgs(colocate=True, share_replica_loop=False))) == [{}, {}]
 
 
 R_WEATHER = {"type": "function", **WEATHER["function"]}
 R_CLOCK = {"type": "function", **CLOCK["function"]}
 
 
-def test_stored_objects_get_a_404_that_says_nothing_is_stored(client):
-    """The client's calls on stored responses and chat completions reach routes this
-    server does not serve, since it stores nothing; the error says so."""
-    calls = (lambda: client.responses.retrieve("resp_1"), lambda: client.responses.delete("resp_1"),
-             lambda: client.responses.cancel("resp_1"), lambda: client.responses.input_items.list("resp_1"),
-             lambda: client.chat.completions.retrieve("chatcmpl-1"), lambda: client.chat.completions.list(),
+def test_chat_completions_are_not_stored(client):
+    """The client's calls on stored chat completions reach routes this server does not
+    serve, since it stores none; the error says so."""
+    calls = (lambda: client.chat.completions.retrieve("chatcmpl-1"), lambda: client.chat.completions.list(),
              lambda: client.chat.completions.update("chatcmpl-1", metadata={"a": "b"}),
              lambda: client.chat.completions.delete("chatcmpl-1"))
     for call in calls:
         with pytest.raises(openai.NotFoundError) as e:
             call()
-        assert "stores no responses or chat completions" in e.value.body["message"]
+        assert "stores no chat completions" in e.value.body["message"]
     assert client.models.list().data   # and the server serves on
+
+
+def test_responses_continue_from_stored_ones(client):
+    """A stored response (the default) continues with `previous_response_id`: the same
+    answer and input tokens as its items sent whole, streamed too, its instructions not
+    carried over; a chain of three; read back, listed item by item, deleted. Each
+    stored response holds its whole conversation, so its chain outlives the first."""
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Hello there", temperature=0,
+                                    max_output_tokens=6)
+    assert first.store is True and first.previous_response_id is None
+    then = dict(model=MODEL, input="And again?", temperature=0, max_output_tokens=6)
+    chained = client.responses.create(**then, previous_response_id=first.id)
+    whole = [{"role": "user", "content": "Hello there"}, *(i.model_dump(exclude_none=True) for i in first.output),
+             {"role": "user", "content": "And again?"}]
+    sent = client.responses.create(model=MODEL, input=whole, temperature=0, max_output_tokens=6, store=False)
+    assert chained.output_text == sent.output_text and chained.usage.input_tokens == sent.usage.input_tokens
+    assert chained.previous_response_id == first.id and chained.instructions is None and sent.store is False
+    streamed = list(client.responses.create(**then, previous_response_id=first.id, stream=True))[-1].response
+    assert streamed.output_text == chained.output_text and streamed.previous_response_id == first.id
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    more = dict(model=MODEL, input="Once more", temperature=0, max_output_tokens=4, previous_response_id=chained.id)
+    third = client.responses.create(**more)
+    assert third.usage.input_tokens > chained.usage.input_tokens + first.usage.output_tokens
+
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    paged = list(client.responses.input_items.list(chained.id, order="asc", limit=1))   # one item a page
+    assert [i.role for i in paged] == ["user", "assistant", "user"]
+    assert paged[0].content[0].text == "Hello there" and paged[2].content[0].text == "And again?"
+    assert paged[1].id == first.output[0].id and paged[1].content[0].text == first.output_text
+    assert [i.id for i in client.responses.input_items.list(chained.id).data] == [i.id for i in paged[::-1]]
+
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(sent.id)                  # store: false
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**then, previous_response_id=sent.id)
+    assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(first.id)
+    assert "background" in e.value.body["message"]
+    client.responses.delete(first.id)
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.input_items.list,
+                 client.responses.cancel):
+        with pytest.raises(openai.NotFoundError):
+            call(first.id)
+    assert client.responses.create(**more).output_text == third.output_text
+
+
+def test_stored_responses_belong_to_their_api_key(server, secure):
+    """Another key neither reads, lists, continues nor deletes a key's response."""
+    url = server.urls[secure] + "/v1"
+    mine = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+    other = openai.OpenAI(base_url=url, api_key="sk-other", max_retries=0)
+    r = mine.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    for call in (other.responses.retrieve, other.responses.input_items.list, other.responses.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        other.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
+    assert e.value.body["code"] == "previous_response_not_found"
+    assert mine.responses.retrieve(r.id).id == r.id
+    assert mine.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id).id
+
+
+def test_without_a_store_nothing_is_kept(server):
+    """`response_store: {enabled: false}`: every response is as with `store: false`, a
+    `previous_response_id` is a 400 and the routes by id a 404, each saying so."""
+    c = openai.OpenAI(base_url=server.urls["mistral"] + "/v1", api_key="unused", max_retries=0)
+    r = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.retrieve(r.id)
+    assert "stores no responses or chat completions" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
+    assert "stores no responses" in e.value.body["message"] and e.value.body["param"] == "previous_response_id"
 
 
 def test_responses_answers_as_chat_does(client):
@@ -1158,3 +1233,7 @@ def test_responses_function_calls_round_trip(client):
             {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, clear"}])
     assert again.output_text == chat.choices[0].message.content and again.output[0].type == "message"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, clear"}
+    chained = client.responses.create(model=MODEL, input=[output], previous_response_id=r.id, tools=[R_WEATHER],
+                                      tool_choice="none", temperature=0, max_output_tokens=8)
+    assert chained.output_text == again.output_text

@@ -62,7 +62,6 @@ def test_tools_choice_and_format_become_the_chat_fields():
 
 
 @pytest.mark.parametrize("bad", [
-    {"previous_response_id": "resp_1"},
     {"input": []},
     {"truncation": "auto"},
     {"tools": [{"type": "web_search"}]},
@@ -151,8 +150,84 @@ def test_a_whole_response_repeats_the_request():
     body = ResponseBody(r, "m").body("completed", [], None)
     assert body["tools"] == [{"type": "function", **TOOL}] and body["tool_choice"] == "auto"
     assert body["metadata"] == {"k": "v"} and body["store"] is False and body["max_output_tokens"] == 5
-    assert body["text"] == {"format": {"type": "text"}}
+    assert body["text"] == {"format": {"type": "text"}} and body["previous_response_id"] is None
     json.dumps(body)
+    chained = ResponseBody(_request(previous_response_id="resp_1"), "m", stored=True).body("completed", [], None)
+    assert chained["store"] is True and chained["previous_response_id"] == "resp_1"
+
+
+def test_input_items_get_ids_and_a_continued_request_reads_as_the_whole_conversation():
+    """Items a store keeps carry ids (a client's kept, the others made) and content
+    parts; a stored conversation put before a request's own input gives the chat
+    messages of the whole conversation sent at once."""
+    first = _request(input="Weather?")
+    [item] = first.input_items()
+    assert item["id"].startswith("msg_") and item["status"] == "completed"
+    assert item["role"] == "user" and item["content"] == [{"type": "input_text", "text": "Weather?"}]
+    assert first.input_items()[0]["id"] != item["id"]     # fresh each time; stored once
+    output = [{"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+               "arguments": "{}", "status": "completed"}]
+    follow = _request(instructions="Be brief.", tools=[{"type": "function", **TOOL}],
+                      input=[{"type": "function_call_output", "call_id": "call_1", "output": "cold"},
+                             {"role": "assistant", "content": "Noted.", "id": "msg_mine"}])
+    own = follow.input_items()
+    assert own[0]["id"].startswith("fco_") and own[1]["id"] == "msg_mine"
+    assert own[1]["content"] == [{"type": "output_text", "text": "Noted."}]
+    continued = follow.with_input([item, *output, *own])
+    whole = _request(instructions="Be brief.", tools=[{"type": "function", **TOOL}],
+                     input=[{"role": "user", "content": "Weather?"}, *output,
+                            {"type": "function_call_output", "call_id": "call_1", "output": "cold"},
+                            {"role": "assistant", "content": "Noted."}])
+    assert continued.chat_body() == whole.chat_body()
+    assert continued.input_items() == [item, *output, *own]   # ids kept
+
+
+def _stored(rid: str, text: str = "x") -> dict:
+    return {"id": rid, "object": "response", "output": [{"type": "message", "id": f"msg_{rid}", "text": text}]}
+
+
+def test_the_store_keeps_the_newest_within_its_bounds_and_each_owners_own():
+    import asyncio
+
+    from deployments.response_store import ResponseStore, StoreClient
+
+    async def run():
+        store = StoreClient(ResponseStore(max_responses=3, max_bytes=2000))
+        for i in range(4):
+            assert await store.put("a", _stored(f"r{i}"), [{"id": f"in{i}"}])
+        assert await store.get("a", "r0") is None                       # fourth put evicts the oldest
+        await store.get("a", "r1")                                      # read: now the newest
+        assert await store.put("a", _stored("r4"), [])
+        assert await store.get("a", "r2") is None and await store.get("a", "r1") is not None
+        rec = await store.get("a", "r3")
+        assert rec.conversation == [{"id": "in3"}, *_stored("r3")["output"]]
+        assert await store.get("b", "r3") is None and not await store.delete("b", "r3")   # another key's
+        assert await store.delete("a", "r3") and await store.get("a", "r3") is None
+        assert not await store.put("a", _stored("big", "y" * 3000), [])                 # alone over the bound
+        assert await store.put("a", _stored("r5", "y" * 1900), [])                      # pushes out the rest
+        assert (await store._store.stats())["responses"] == 1 and await store.get("a", "r5") is not None
+        size = (await store._store.stats())["bytes"]
+        assert await store.put("a", _stored("r5", "z"), []) and (await store._store.stats())["bytes"] < size
+
+    asyncio.run(run())
+
+
+def test_input_items_pages_as_openais_list():
+    from deployments.ingress import HTTPError, input_items_page
+
+    items = [{"id": f"i{n}"} for n in range(5)]
+    page = input_items_page(items, {})
+    assert [i["id"] for i in page["data"]] == ["i4", "i3", "i2", "i1", "i0"] and not page["has_more"]
+    page = input_items_page(items, {"order": "asc", "limit": "2"})
+    assert [i["id"] for i in page["data"]] == ["i0", "i1"] and page["has_more"] and page["last_id"] == "i1"
+    page = input_items_page(items, {"order": "asc", "limit": "2", "after": "i3"})
+    assert [i["id"] for i in page["data"]] == ["i4"] and not page["has_more"] and page["first_id"] == "i4"
+    assert input_items_page(items, {"after": "i0"}) == {"object": "list", "data": [], "first_id": None,
+                                                        "last_id": None, "has_more": False}
+    for bad in ({"order": "up"}, {"limit": "0"}, {"limit": "101"}, {"limit": "x"}, {"after": "nope"}):
+        with pytest.raises(HTTPError) as e:
+            input_items_page(items, bad)
+        assert e.value.status == 400 and e.value.param == next(iter(bad))
 
 
 def test_auto_calls_in_the_models_own_format_stream_as_whole_items(format_model):

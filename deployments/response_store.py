@@ -1,0 +1,102 @@
+"""Stored responses, for the Responses API's `previous_response_id` and its routes by id.
+
+A response made with `store` (OpenAI's default) is kept with every item it was made
+from and its output items, so the next request can name it instead of sending the
+conversation again, and `GET /v1/responses/{id}` (and `/input_items`) can read it back.
+Each record holds its whole conversation: a chain stays readable when older responses
+in it have been evicted. Records live in memory, newest kept: at most `max_responses`,
+and at most `max_bytes` of their JSON; the oldest go first. A record belongs to the API
+key that made it (by `owner`, the key's tenant salt): another key neither reads nor
+deletes it.
+
+The app runs one `ResponseStore` replica that every ingress replica calls, so a chain
+may continue on any replica; `StoreClient` calls it through a Serve handle, or calls an
+instance in the same process directly.
+"""
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+MAX_RESPONSES = 10_000
+MAX_BYTES = 256 << 20
+
+
+@dataclass
+class StoredResponse:
+    owner: str | None
+    response: dict        # the response body as its client got it
+    input_items: list     # every item it was made from, with ids: the chain's, then its own input
+    size: int             # bytes of the two as JSON
+
+    @property
+    def conversation(self) -> list:
+        """What a request naming this response continues: its input items and its output."""
+        return self.input_items + self.response["output"]
+
+
+class ResponseStore:
+    def __init__(self, max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES):
+        if max_responses < 1 or max_bytes < 1:
+            raise ValueError("max_responses and max_bytes must be at least 1")
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self._records: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
+
+    # Coroutines without awaits: Serve runs them on the replica's event loop one at a
+    # time, where plain methods could run on several threads at once.
+    async def put(self, owner: str | None, response: dict, input_items: list) -> bool:
+        """Keep a finished response; False when it alone is larger than `max_bytes`."""
+        size = len(json.dumps(response)) + len(json.dumps(input_items))
+        if size > self.max_bytes:
+            return False
+        self._drop(response["id"])
+        self._records[response["id"]] = StoredResponse(owner, response, input_items, size)
+        self._bytes += size
+        while len(self._records) > self.max_responses or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._records)))
+        return True
+
+    async def get(self, owner: str | None, response_id: str) -> StoredResponse | None:
+        record = self._records.get(response_id)
+        if record is None or record.owner != owner:
+            return None
+        self._records.move_to_end(response_id)   # a chain in use is the last to go
+        return record
+
+    async def delete(self, owner: str | None, response_id: str) -> bool:
+        if await self.get(owner, response_id) is None:
+            return False
+        self._drop(response_id)
+        return True
+
+    async def stats(self) -> dict:
+        return {"responses": len(self._records), "bytes": self._bytes}
+
+    def _drop(self, response_id: str) -> None:
+        record = self._records.pop(response_id, None)
+        if record is not None:
+            self._bytes -= record.size
+
+
+class StoreClient:
+    """The ingress's way to a `ResponseStore`: a Serve handle to the app's store
+    deployment, or an instance in this process."""
+
+    def __init__(self, store: Any):
+        self._store = store
+
+    async def _call(self, method: str, *args):
+        if isinstance(self._store, ResponseStore):
+            return await getattr(self._store, method)(*args)
+        return await getattr(self._store, method).remote(*args)
+
+    async def put(self, owner: str | None, response: dict, input_items: list) -> bool:
+        return await self._call("put", owner, response, input_items)
+
+    async def get(self, owner: str | None, response_id: str) -> StoredResponse | None:
+        return await self._call("get", owner, response_id)
+
+    async def delete(self, owner: str | None, response_id: str) -> bool:
+        return await self._call("delete", owner, response_id)
