@@ -532,13 +532,46 @@ class OpenAIIngress:
                                  "server creates none", code="not_background")
         raise HTTPError(404, f"no route for {method} /v1/responses/{rest}", code="not_found")
 
+    def _chat_of(self, body: ResponsesRequest) -> ChatCompletionRequest:
+        try:
+            return ChatCompletionRequest.model_validate(body.chat_body())
+        except ValidationError as e:
+            raise _validation_error(e, _RESPONSES_PARAMS) from None
+
+    async def _fits(self, body: ResponsesRequest) -> bool:
+        """Whether the request's prompt and output fit the model's context."""
+        chat = self._chat_of(body)
+        ids = await self._chat_ids(chat.messages, chat.add_generation_prompt, chat.tools, chat.template_kwargs())
+        try:
+            await self._check_prompt(ids, chat.max_completion_tokens)
+        except HTTPError as e:
+            if e.code == "context_length_exceeded":
+                return False
+            raise
+        return True
+
+    async def _truncated(self, body: ResponsesRequest) -> ResponsesRequest:
+        """`truncation: "auto"`: the conversation from the earliest turn on which it fits
+        (OpenAI drops items from its beginning); unchanged when it fits whole or when
+        not even its last turn does (then the usual 400 says why)."""
+        if await self._fits(body):
+            return body
+        starts = body.turn_starts()[1:]
+        lo, hi = 0, len(starts)      # cuts before `lo` do not fit; the one at `hi` does (if any)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if await self._fits(body.model_copy(update={"input": body.input[starts[mid]:]})):
+                hi = mid
+            else:
+                lo = mid + 1
+        return body.model_copy(update={"input": body.input[starts[lo]:]}) if lo < len(starts) else body
+
     async def _respond(self, body: ResponsesRequest, api_key: str | None, t0: float) -> Response:
         owner = self._owner(api_key)
         body = await self._conversation(body, owner)
-        try:
-            chat = ChatCompletionRequest.model_validate(body.chat_body())
-        except ValidationError as e:
-            raise _validation_error(e, _RESPONSES_PARAMS) from None
+        if body.truncation == "auto":
+            body = await self._truncated(body)
+        chat = self._chat_of(body)
         await self._check_constraint(chat)
         markers = self._text_logprobs_markers(body)
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k())

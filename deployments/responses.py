@@ -159,7 +159,7 @@ class ResponsesRequest(Bookkeeping):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     user: str | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
     include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     previous_response_id: str | None = None
@@ -190,6 +190,12 @@ class ResponsesRequest(Bookkeeping):
                 d["content"] = [{"type": kind, "text": d["content"]}]
             out.append(d)
         return out
+
+    def turn_starts(self) -> list[int]:
+        """Where the input's turns begin (its user messages): where `truncation: "auto"`
+        may cut the conversation, so no call loses its output nor reasoning its answer."""
+        return [i for i, item in enumerate(self.input)
+                if isinstance(item, MessageItem) and item.role == "user"] if isinstance(self.input, list) else [0]
 
     def with_input(self, items: list[dict]) -> "ResponsesRequest":
         """This request with `items` as its input (a stored conversation, then its own)."""
@@ -275,7 +281,7 @@ class ResponsesRequest(Bookkeeping):
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
             "reasoning": (self.reasoning or ReasoningConfig()).model_dump(exclude={"generate_summary"}),
             "store": stored, "metadata": self.metadata or {}, "previous_response_id": self.previous_response_id,
-            "truncation": "disabled", "user": self.user, "background": False,
+            "truncation": self.truncation or "disabled", "user": self.user, "background": False,
         }
 
 

@@ -1078,6 +1078,33 @@ def test_responses_continue_from_stored_ones(client):
     assert client.responses.create(**more).output_text == third.output_text
 
 
+def test_responses_truncation_auto_drops_the_earliest_turns(client):
+    """`truncation: "auto"`: a conversation longer than the context loses its earliest
+    turns until it fits, the fewest that must go, and answers as its kept turns sent
+    alone; without it, the same conversation is a 400. A chain past the context goes on."""
+    long = "alpha beta " * 130        # about 1,000 tokens a turn; the context is 4,096
+    turns = []
+    for n in range(6):
+        turns += [{"role": "user", "content": f"{n} {long}"}, {"role": "assistant", "content": "ok"}]
+    turns.append({"role": "user", "content": "last"})
+    kw = dict(model=MODEL, temperature=0, max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw, input=turns)
+    assert e.value.body["code"] == "context_length_exceeded"
+    r = client.responses.create(**kw, input=turns, truncation="auto")
+    assert r.truncation == "auto" and r.status in ("completed", "incomplete")
+    kept = list(client.responses.input_items.list(r.id, order="asc", limit=100))
+    cut = len(turns) - len(kept)
+    assert 0 < cut and turns[cut]["role"] == "user" and kept[-1].content[0].text == "last"
+    assert [i.content[0].text for i in kept] == [t["content"] for t in turns[cut:]]
+    alone = client.responses.create(**kw, input=turns[cut:], store=False)
+    assert r.output_text == alone.output_text and r.usage.input_tokens == alone.usage.input_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**kw, input=turns[cut - 2:], store=False)   # one turn more does not fit
+    more = client.responses.create(**kw, input=f"7 {long}", previous_response_id=r.id, truncation="auto")
+    assert more.previous_response_id == r.id and more.usage.input_tokens < 4096
+
+
 def test_stored_responses_belong_to_their_api_key(server, secure):
     """Another key neither reads, lists, continues nor deletes a key's response."""
     url = server.urls[secure] + "/v1"

@@ -63,7 +63,7 @@ def test_tools_choice_and_format_become_the_chat_fields():
 
 @pytest.mark.parametrize("bad", [
     {"input": []},
-    {"truncation": "auto"},
+    {"truncation": "middle"},
     {"tools": [{"type": "web_search"}]},
     {"text": {"format": {"type": "json_schema", "name": "x"}}},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
@@ -180,6 +180,20 @@ def test_input_items_get_ids_and_a_continued_request_reads_as_the_whole_conversa
                             {"role": "assistant", "content": "Noted."}])
     assert continued.chat_body() == whole.chat_body()
     assert continued.input_items() == [item, *output, *own]   # ids kept
+
+
+def test_turns_start_at_user_messages():
+    """`truncation: "auto"` cuts only where a turn begins, never between a call and its
+    output or reasoning and its answer."""
+    r = _request(input=[
+        {"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "o"},
+        {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
+    assert r.turn_starts() == [1, 6]
+    assert _request(input="hi").turn_starts() == [0]
+    assert ResponseBody(_request(truncation="auto"), "m").body("completed", [], None)["truncation"] == "auto"
 
 
 def _stored(rid: str, text: str = "x") -> dict:
