@@ -61,11 +61,11 @@ class AppArgs(BaseModel):
     llm_server: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(ray_actor_options={"num_cpus": 1}))
     ingress: DeploymentArgs = Field(default_factory=lambda: DeploymentArgs(ray_actor_options={"num_cpus": 0.2}))
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth")
+    api_keys_env: str = "MLX_PAGED_SERVE_API_KEYS"
     response_store: ResponseStoreArgs = Field(
         default_factory=ResponseStoreArgs,
         description="keeps Responses API responses made with store (the default) for "
                     "previous_response_id and GET/DELETE /v1/responses/{id}; enabled: false stores none")
-    api_keys_env: str = "MLX_PAGED_SERVE_API_KEYS"
     max_request_body_bytes: int = 1 << 20
     max_prompt_tokens: Optional[int] = None
     default_max_tokens: int = 256
