@@ -11,13 +11,14 @@ import signal
 import time
 
 import httpx
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 
-from .serving import ServeRun, app, engine_pids, exited, metric, replica_pids
+from .serving import ServeRun, app, engine_pids, exited, live_pids, metric, replica_pids
 
 MODEL = "default"
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
@@ -549,3 +550,23 @@ def test_replica_failure_recovers(server, app_name):
     r = _wait_served(url, app_name, pids)
     assert r.status_code == 200, r.text
     assert replica_pids(app_name) and not set(replica_pids(app_name)) & set(pids)
+
+
+def test_a_lost_response_store_is_replaced_empty(server):
+    """The store's replica killed: Serve replaces it, the requests meanwhile wait for it
+    (none fails), and the new store starts empty, so a chain from before is a 400 that
+    says its response is gone."""
+    c = openai.OpenAI(base_url=server.urls["rel"] + "/v1", api_key="unused", max_retries=0, timeout=90)
+    before = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    [pid] = live_pids("-f", "ServeReplica:rel:ResponseStore")
+    os.kill(pid, signal.SIGKILL)
+    assert exited(pid, 30)
+    t = time.monotonic()
+    after = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert time.monotonic() - t < 60 and c.responses.retrieve(after.id).id == after.id
+    assert live_pids("-f", "ServeReplica:rel:ResponseStore") != [pid]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(before.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=before.id)
+    assert e.value.body["code"] == "previous_response_not_found"
