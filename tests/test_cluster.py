@@ -149,4 +149,10 @@ def test_shipped_cluster_config_deploys(cluster, monkeypatch):
     assert [ch.choices[0].finish_reason for ch in stream if ch.choices][-1] == "length"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    # A chain of stored responses, through the store replica the ingress replicas share.
+    r = c.responses.create(model=args["served_model_name"], input="hello", max_output_tokens=2)
+    for turn in range(8):
+        r = c.responses.create(model=args["served_model_name"], input=f"turn {turn}", max_output_tokens=2,
+                               previous_response_id=r.id)
+    assert len(c.responses.input_items.list(r.id, limit=100).data) == 2 * 9 - 1
     serve.delete("shipped")
