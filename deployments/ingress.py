@@ -521,6 +521,9 @@ class OpenAIIngress:
         if record is None:
             raise HTTPError(404, f"Response with id '{rid}' not found.", code="not_found")
         if (method, sub) == ("GET", ""):
+            if query.get("stream", "false").lower() != "false":
+                raise HTTPError(400, "a stored response is read back whole: stream is not supported here",
+                                param="stream")
             return JSONResponse(record.response)
         if (method, sub) == ("DELETE", ""):
             await self.store.delete(self._owner(api_key), rid)

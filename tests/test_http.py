@@ -1073,6 +1073,9 @@ def test_responses_continue_from_stored_ones(client):
     assert third.usage.input_tokens > chained.usage.input_tokens + first.usage.output_tokens
 
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(first.id, stream=True))
+    assert e.value.body["param"] == "stream"
     paged = list(client.responses.input_items.list(chained.id, order="asc", limit=1))   # one item a page
     assert [i.role for i in paged] == ["user", "assistant", "user"]
     assert paged[0].content[0].text == "Hello there" and paged[2].content[0].text == "And again?"
