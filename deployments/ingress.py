@@ -54,6 +54,7 @@ INLINE_PROMPT_CHARS = 256
 # (response_store.py); chat completions are never stored.
 STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
 INPUT_ITEMS_MAX = 100
+BACKGROUND_POLL_S = 1.0   # how often a background response looks for a cancel made on another replica
 
 
 class HTTPError(Exception):
@@ -99,6 +100,7 @@ class OpenAIIngress:
         `store`: a handle to the app's `ResponseStore` (or one), None to store nothing."""
         self.llm = llm_server if isinstance(llm_server, LocalLLM) else RemoteLLM(llm_server)
         self.store = StoreClient(store) if store is not None else None
+        self._background: dict[str, asyncio.Task] = {}   # background responses running here, by id
         self.s = settings
         self.model_name = settings["served_model_name"]
         self.api_keys = [k.encode() for k in settings.get("api_keys") or []]
@@ -514,8 +516,8 @@ class OpenAIIngress:
 
     async def stored_response(self, rest: str, method: str, query, api_key: str | None) -> Response:
         """`GET` and `DELETE /v1/responses/{id}`, `GET .../input_items` (paged as OpenAI's
-        list: `limit`, `order`, `after`), and `POST .../cancel`, which only a background
-        response could take."""
+        list: `limit`, `order`, `after`), and `POST .../cancel` of a background response
+        still running (`_run_background`)."""
         rid, _, sub = rest.partition("/")
         record = await self.store.get(self._owner(api_key), rid)
         if record is None:
@@ -531,8 +533,14 @@ class OpenAIIngress:
         if (method, sub) == ("GET", "input_items"):
             return JSONResponse(input_items_page(record.input_items, query))
         if (method, sub) == ("POST", "cancel"):
-            raise HTTPError(400, "only a response created with background: true can be cancelled, and this "
-                                 "server creates none", code="not_background")
+            cancelled, response = await self.store.cancel(self._owner(api_key), rid)
+            if not cancelled:
+                raise HTTPError(400, f"only a background response still running can be cancelled; this one is "
+                                     f"{response['status']}", code="not_cancellable")
+            task = self._background.get(rid)
+            if task is not None:     # running here; on another replica its watcher sees the mark
+                task.cancel()
+            return JSONResponse(response)
         raise HTTPError(404, f"no route for {method} /v1/responses/{rest}", code="not_found")
 
     def _chat_of(self, body: ResponsesRequest) -> ChatCompletionRequest:
@@ -574,6 +582,9 @@ class OpenAIIngress:
         body = await self._conversation(body, owner)
         if body.truncation == "auto":
             body = await self._truncated(body)
+        if body.background and (self.store is None or not body.stored):
+            raise HTTPError(400, "this server stores no responses, so none can run in the background",
+                            param="background")
         chat = self._chat_of(body)
         await self._check_constraint(chat)
         markers = self._text_logprobs_markers(body)
@@ -587,15 +598,56 @@ class OpenAIIngress:
             return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps, keep),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)), named=True)
+        whole = partial(self._whole_response, envelope, parser, first, gen, t0, end, text_lps)
+        if body.background:
+            running = envelope.body("in_progress", [])
+            await keep(running)
+            task = asyncio.create_task(self._run_background(envelope, owner, keep, whole))
+            self._background[envelope.id] = task
+            task.add_done_callback(lambda _: self._background.pop(envelope.id, None))
+            return JSONResponse(running)
+        response = await whole()
+        await keep(response)
+        return JSONResponse(response, headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+
+    async def _whole_response(self, envelope, parser, first, gen, t0: float, end_marker: int | None,
+                              text_lps: TextLogprobs | None) -> dict:
         out = await self._drain(first, gen, t0)
         o = out.outputs[0]
         parts, _ = parser().parts(o.text, o.finish_reason)
         if text_lps is not None:
             text_lps.add(self._token_logprobs(o.token_ids, o.logprobs))
-        usage = self._response_usage(out, end, any(kind == "reasoning" for kind, _ in parts))
-        response = whole_response(envelope, parts, o.finish_reason, usage, text_lps)
-        await keep(response)
-        return JSONResponse(response, headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+        usage = self._response_usage(out, end_marker, any(kind == "reasoning" for kind, _ in parts))
+        return whole_response(envelope, parts, o.finish_reason, usage, text_lps)
+
+    async def _run_background(self, envelope, owner: str | None, keep, whole) -> None:
+        """A background response, run to its end beside the requests that poll it: stored
+        when done (or as failed). Cancelled (`POST .../cancel`, here or through the store
+        from another replica, or the response deleted), it stops, which aborts its engine
+        request: `_chain` cancels the replica's stream."""
+        watcher = asyncio.create_task(self._watch_cancel(owner, envelope.id, asyncio.current_task()))
+        try:
+            await keep(await whole())
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:
+            log.exception("background response %s failed", envelope.id)
+            said = str(e) if isinstance(e, (HTTPError, InvalidRequestError)) else "internal error"
+            await keep(envelope.body("failed", [], error={"code": "server_error", "message": said}))
+        finally:
+            watcher.cancel()
+
+    async def _watch_cancel(self, owner: str | None, rid: str, task: asyncio.Task) -> None:
+        """Cancel `task` once its stored response reads cancelled or is gone."""
+        while True:
+            await asyncio.sleep(BACKGROUND_POLL_S)
+            try:
+                record = await self.store.get(owner, rid)
+            except Exception:   # the store is being replaced: ask again next time
+                continue
+            if record is None or record.response["status"] == "cancelled":
+                task.cancel()
+                return
 
     def _text_logprobs_markers(self, body: ResponsesRequest) -> tuple[int, int] | None:
         """The model's think marker ids (`think_markers`). A 400 where output_text logprobs

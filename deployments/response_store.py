@@ -47,10 +47,14 @@ class ResponseStore:
     # Coroutines without awaits: Serve runs them on the replica's event loop one at a
     # time, where plain methods could run on several threads at once.
     async def put(self, owner: str | None, response: dict, input_items: list) -> bool:
-        """Keep a finished response; False when it alone is larger than `max_bytes`."""
+        """Keep a response (a background one again as it moves on); False when it alone
+        is larger than `max_bytes`. A cancelled response stays as it was cancelled."""
         size = len(json.dumps(response)) + len(json.dumps(input_items))
         if size > self.max_bytes:
             return False
+        kept = self._records.get(response["id"])
+        if kept is not None and kept.response.get("status") == "cancelled":
+            return True
         self._drop(response["id"])
         self._records[response["id"]] = StoredResponse(owner, response, input_items, size)
         self._bytes += size
@@ -70,6 +74,17 @@ class ResponseStore:
             return False
         self._drop(response_id)
         return True
+
+    async def cancel(self, owner: str | None, response_id: str) -> tuple[bool, dict] | None:
+        """Mark a background response still running as cancelled: (whether it was, the
+        response as it now reads); None if there is no such response of this owner."""
+        record = await self.get(owner, response_id)
+        if record is None:
+            return None
+        if record.response.get("status") not in ("queued", "in_progress"):
+            return False, record.response
+        record.response = {**record.response, "status": "cancelled"}
+        return True, record.response
 
     async def stats(self) -> dict:
         return {"responses": len(self._records), "bytes": self._bytes}
@@ -100,3 +115,6 @@ class StoreClient:
 
     async def delete(self, owner: str | None, response_id: str) -> bool:
         return await self._call("delete", owner, response_id)
+
+    async def cancel(self, owner: str | None, response_id: str) -> tuple[bool, dict] | None:
+        return await self._call("cancel", owner, response_id)

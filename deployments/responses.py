@@ -163,11 +163,16 @@ class ResponsesRequest(Bookkeeping):
     include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     previous_response_id: str | None = None
+    background: bool = False
 
     @model_validator(mode="after")
     def _check(self):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
+        if self.background and self.store is False:
+            raise ValueError("a background response is read back from the store: store must not be false")
+        if self.background and self.stream:
+            raise ValueError("a background response is not streamed here: poll GET /v1/responses/{id}")
         return self
 
     @property
@@ -281,7 +286,7 @@ class ResponsesRequest(Bookkeeping):
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
             "reasoning": (self.reasoning or ReasoningConfig()).model_dump(exclude={"generate_summary"}),
             "store": stored, "metadata": self.metadata or {}, "previous_response_id": self.previous_response_id,
-            "truncation": self.truncation or "disabled", "user": self.user, "background": False,
+            "truncation": self.truncation or "disabled", "user": self.user, "background": self.background,
         }
 
 
@@ -315,10 +320,10 @@ class ResponseBody:
         self.id, self.created_at = _id("resp"), int(time.time())
         self.model, self.settings = model, request.echo(stored)
 
-    def body(self, status: str, output: list[dict], usage_: dict | None = None) -> dict:
+    def body(self, status: str, output: list[dict], usage_: dict | None = None, error: dict | None = None) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "error": None, "incomplete_details": incomplete, "model": self.model, "output": output,
+                "error": error, "incomplete_details": incomplete, "model": self.model, "output": output,
                 "usage": usage_, **self.settings}
 
 

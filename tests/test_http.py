@@ -1089,13 +1089,48 @@ def test_responses_continue_from_stored_ones(client):
     assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.cancel(first.id)
-    assert "background" in e.value.body["message"]
+    assert e.value.body["code"] == "not_cancellable"
     client.responses.delete(first.id)
     for call in (client.responses.retrieve, client.responses.delete, client.responses.input_items.list,
                  client.responses.cancel):
         with pytest.raises(openai.NotFoundError):
             call(first.id)
     assert client.responses.create(**more).output_text == third.output_text
+
+
+def test_background_responses_run_on_and_can_be_cancelled(server, client, front):
+    """`background: true` answers at once, `in_progress`; polled, it ends as the same
+    request run in the foreground. Cancelled, it reads `cancelled` for good and its engine
+    request is aborted: nothing runs on after it. Only a running one can be cancelled."""
+    kw = dict(model=MODEL, input="Hello there", temperature=0, max_output_tokens=12)
+    r = client.responses.create(**kw, background=True)
+    assert r.background is True and r.status == "in_progress" and r.output == []
+    deadline = time.monotonic() + 60
+    while r.status == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.1)
+        r = client.responses.retrieve(r.id)
+    assert r.status in ("completed", "incomplete") and r.background is True
+    assert r.output_text == client.responses.create(**kw, store=False).output_text
+
+    story = "Tell me a long story."
+    t = time.monotonic()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": story}],
+                                          temperature=0, max_completion_tokens=1500)
+    whole_s = time.monotonic() - t
+    assert chat.choices[0].finish_reason == "length"    # uncancelled, it would run all 1,500 tokens
+    long = client.responses.create(model=MODEL, input=story, temperature=0, max_output_tokens=1500, background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.id == long.id and cancelled.status == "cancelled"
+    url = server.urls[front]
+    deadline = time.monotonic() + whole_s / 3    # an abort, not the rest of the 1,500 tokens
+    while metric(httpx.get(url + "/metrics").text, "num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(httpx.get(url + "/metrics").text, "num_requests_running") == 0, whole_s
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    for done in (long.id, r.id):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.cancel(done)
+        assert e.value.body["code"] == "not_cancellable"
 
 
 def test_responses_truncation_auto_drops_the_earliest_turns(client):
@@ -1153,6 +1188,9 @@ def test_without_a_store_nothing_is_kept(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
     assert "stores no responses" in e.value.body["message"] and e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=2, background=True)
+    assert e.value.body["param"] == "background"
 
 
 def test_responses_answers_as_chat_does(client):

@@ -64,6 +64,8 @@ def test_tools_choice_and_format_become_the_chat_fields():
 @pytest.mark.parametrize("bad", [
     {"input": []},
     {"truncation": "middle"},
+    {"background": True, "store": False},
+    {"background": True, "stream": True},
     {"tools": [{"type": "web_search"}]},
     {"text": {"format": {"type": "json_schema", "name": "x"}}},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
@@ -197,7 +199,8 @@ def test_turns_start_at_user_messages():
 
 
 def _stored(rid: str, text: str = "x") -> dict:
-    return {"id": rid, "object": "response", "output": [{"type": "message", "id": f"msg_{rid}", "text": text}]}
+    return {"id": rid, "object": "response", "status": "completed",
+            "output": [{"type": "message", "id": f"msg_{rid}", "text": text}]}
 
 
 def test_the_store_keeps_the_newest_within_its_bounds_and_each_owners_own():
@@ -218,12 +221,49 @@ def test_the_store_keeps_the_newest_within_its_bounds_and_each_owners_own():
         assert await store.get("b", "r3") is None and not await store.delete("b", "r3")   # another key's
         assert await store.delete("a", "r3") and await store.get("a", "r3") is None
         assert not await store.put("a", _stored("big", "y" * 3000), [])                 # alone over the bound
-        assert await store.put("a", _stored("r5", "y" * 1900), [])                      # pushes out the rest
+        assert await store.put("a", _stored("r5", "y" * 1850), [])                      # pushes out the rest
         assert (await store._store.stats())["responses"] == 1 and await store.get("a", "r5") is not None
         size = (await store._store.stats())["bytes"]
         assert await store.put("a", _stored("r5", "z"), []) and (await store._store.stats())["bytes"] < size
+        running = {**_stored("bg"), "status": "in_progress"}
+        assert await store.put("a", running, []) and await store.cancel("b", "bg") is None
+        assert await store.cancel("a", "bg") == (True, {**running, "status": "cancelled"})
+        assert await store.put("a", {**running, "status": "completed"}, [])      # too late: stays cancelled
+        assert (await store.get("a", "bg")).response["status"] == "cancelled"
+        assert await store.cancel("a", "bg") == (False, {**running, "status": "cancelled"})
+        assert (await store.cancel("a", "r5"))[0] is False                        # finished, not background
 
     asyncio.run(run())
+
+
+def test_a_background_response_stops_when_its_stored_copy_is_cancelled(monkeypatch):
+    """A cancel that reached another ingress replica only marks the stored response; the
+    replica running it sees the mark and stops it, as it does when it is deleted."""
+    import asyncio
+
+    import deployments.ingress as ingress_module
+    from deployments.ingress import OpenAIIngress
+    from deployments.response_store import ResponseStore, StoreClient
+
+    monkeypatch.setattr(ingress_module, "BACKGROUND_POLL_S", 0.01)
+    ingress = OpenAIIngress.__new__(OpenAIIngress)   # only its store is used
+    ingress.store = StoreClient(ResponseStore())
+
+    async def run():
+        outcome = []
+        for stop in ("cancel", "delete"):
+            await ingress.store.put(None, {**_stored(stop), "status": "in_progress"}, [])
+            running = asyncio.create_task(asyncio.sleep(60))
+            watcher = asyncio.create_task(ingress._watch_cancel(None, stop, running))
+            await asyncio.sleep(0.05)
+            assert not running.done()
+            await getattr(ingress.store, stop)(None, stop)
+            await asyncio.wait_for(watcher, 2)
+            await asyncio.sleep(0)
+            outcome.append(running.cancelled())
+        return outcome
+
+    assert asyncio.run(run()) == [True, True]
 
 
 def test_input_items_pages_as_openais_list():
