@@ -7,7 +7,9 @@ Each record holds its whole conversation: a chain stays readable when older resp
 in it have been evicted. Records live in memory, newest kept: at most `max_responses`,
 and at most `max_bytes` of their JSON; the oldest go first. A record belongs to the API
 key that made it (by `owner`, the key's tenant salt): another key neither reads nor
-deletes it.
+deletes it. A background response is kept as it starts (`in_progress`) and again when it
+ends; one cancelled meanwhile stays cancelled, which is how a cancel reaches the ingress
+replica running it.
 
 The app runs one `ResponseStore` replica that every ingress replica calls, so a chain
 may continue on any replica; `StoreClient` calls it through a Serve handle, or calls an
