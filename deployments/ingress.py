@@ -449,15 +449,19 @@ class OpenAIIngress:
                              "usage": _Usage().add(out).body()},
                             headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    async def _start_chat(self, body: ChatCompletionRequest, api_key: str | None, k: int | None):
+    async def _start_chat(self, body: ChatCompletionRequest, api_key: str | None, k: int | None,
+                          ids: list[int] | None = None):
         """A chat request's prompt, sent to the engine: its token ids, what makes its
-        `ChoiceParser` (or None), when it was sent, and its first output and stream."""
+        `ChoiceParser` (or None), when it was sent, and its first output and stream.
+        `ids`: the prompt's token ids where they were made already (`_truncated`)."""
         mode = body.tool_mode()
         if mode == "auto" and not self.tokenizer.has_tool_calling:
             raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
                                  "'auto' (the default with tools) cannot work; use 'required' or name a "
                                  "function, which hold the output to the tools' JSON", param="tool_choice")
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools, body.template_kwargs())
+        if ids is None:
+            ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                       body.template_kwargs())
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
         if mode == "auto":
@@ -519,7 +523,8 @@ class OpenAIIngress:
         list: `limit`, `order`, `after`), and `POST .../cancel` of a background response
         still running (`_run_background`)."""
         rid, _, sub = rest.partition("/")
-        record = await self.store.get(self._owner(api_key), rid)
+        owner = self._owner(api_key)
+        record = await self.store.get(owner, rid)
         if record is None:
             raise HTTPError(404, f"Response with id '{rid}' not found.", code="not_found")
         if (method, sub) == ("GET", ""):
@@ -528,12 +533,12 @@ class OpenAIIngress:
                                 param="stream")
             return JSONResponse(record.response)
         if (method, sub) == ("DELETE", ""):
-            await self.store.delete(self._owner(api_key), rid)
+            await self.store.delete(owner, rid)
             return JSONResponse({"id": rid, "object": "response", "deleted": True})
         if (method, sub) == ("GET", "input_items"):
             return JSONResponse(input_items_page(record.input_items, query))
         if (method, sub) == ("POST", "cancel"):
-            cancelled, response = await self.store.cancel(self._owner(api_key), rid)
+            cancelled, response = await self.store.cancel(owner, rid)
             if not cancelled:
                 raise HTTPError(400, f"only a background response still running can be cancelled; this one is "
                                      f"{response['status']}", code="not_cancellable")
@@ -549,46 +554,50 @@ class OpenAIIngress:
         except ValidationError as e:
             raise _validation_error(e, _RESPONSES_PARAMS) from None
 
-    async def _fits(self, body: ResponsesRequest) -> bool:
-        """Whether the request's prompt and output fit the model's context."""
+    async def _fitting_ids(self, body: ResponsesRequest) -> list[int] | None:
+        """The request's prompt token ids if the prompt and its output fit the model's
+        context, else None."""
         chat = self._chat_of(body)
         ids = await self._chat_ids(chat.messages, chat.add_generation_prompt, chat.tools, chat.template_kwargs())
         try:
             await self._check_prompt(ids, chat.max_completion_tokens)
         except HTTPError as e:
             if e.code == "context_length_exceeded":
-                return False
+                return None
             raise
-        return True
+        return ids
 
-    async def _truncated(self, body: ResponsesRequest) -> ResponsesRequest:
+    async def _truncated(self, body: ResponsesRequest) -> tuple[ResponsesRequest, list[int] | None]:
         """`truncation: "auto"`: the conversation from the earliest turn on which it fits
-        (OpenAI drops items from its beginning); unchanged when it fits whole or when
-        not even its last turn does (then the usual 400 says why)."""
-        if await self._fits(body):
-            return body
+        (OpenAI drops items from its beginning), and its prompt's token ids; unchanged
+        when it fits whole, and without ids when not even its last turn fits (then the
+        usual 400 says why)."""
+        if (ids := await self._fitting_ids(body)) is not None:
+            return body, ids
         starts = body.turn_starts()[1:]
         lo, hi = 0, len(starts)      # cuts before `lo` do not fit; the one at `hi` does (if any)
         while lo < hi:
             mid = (lo + hi) // 2
-            if await self._fits(body.model_copy(update={"input": body.input[starts[mid]:]})):
-                hi = mid
-            else:
+            if (fit := await self._fitting_ids(body.model_copy(update={"input": body.input[starts[mid]:]}))) is None:
                 lo = mid + 1
-        return body.model_copy(update={"input": body.input[starts[lo]:]}) if lo < len(starts) else body
+            else:
+                hi, ids = mid, fit
+        if lo == len(starts):
+            return body, None
+        return body.model_copy(update={"input": body.input[starts[lo]:]}), ids
 
     async def _respond(self, body: ResponsesRequest, api_key: str | None, t0: float) -> Response:
         owner = self._owner(api_key)
-        body = await self._conversation(body, owner)
+        body, ids = await self._conversation(body, owner), None
         if body.truncation == "auto":
-            body = await self._truncated(body)
+            body, ids = await self._truncated(body)
         if body.background and (self.store is None or not body.stored):
             raise HTTPError(400, "this server stores no responses, so none can run in the background",
                             param="background")
         chat = self._chat_of(body)
         await self._check_constraint(chat)
         markers = self._text_logprobs_markers(body)
-        ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k())
+        ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k(), ids)
         parser = parser or ChoiceParser
         envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
         end = markers[1] if markers else None

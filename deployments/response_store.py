@@ -85,8 +85,9 @@ class ResponseStore:
             return None
         if record.response.get("status") not in ("queued", "in_progress"):
             return False, record.response
-        record.response = {**record.response, "status": "cancelled"}
-        return True, record.response
+        response = {**record.response, "status": "cancelled"}
+        await self.put(owner, response, record.input_items)
+        return True, response
 
     async def stats(self) -> dict:
         return {"responses": len(self._records), "bytes": self._bytes}
