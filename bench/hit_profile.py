@@ -5,11 +5,14 @@ prompt of one of `--num-prefixes` shared prefixes plus a fresh suffix, generatin
 `--output-len` tokens; a finished request is replaced at once (closed loop). Two passes
 on one engine: "hit" (the prefixes cached by a warm-up) and "miss" (every prompt's prefix
 fresh, so nothing is cached; the same lengths). Per request: steps and milliseconds from
-`add_request` to the step that returns its first token. Per step, by what it computes
+`add_request` to its first token's output, when the engine hands it on as a server's loop
+gets it: to its `output_sink` (from the worker thread, or read back before the next step
+is built) or returned from `step()`. Per step, by what it computes
 ("mixed": some prompt tokens beside decodes; "decode": one token per sequence): the wall
 time and its parts: scheduling, building the lazy graph, queuing it on the device
 (encoding kernels; on MLX's CPU backend, computing it too), waiting for the device, and
-processing tokens.
+processing tokens. `--early-read off on` runs both passes with and without reading a
+first token's step back before the next is built (`EARLY_READ_MAX_TOKENS`), on one engine.
 
     python bench/hit_profile.py --model llama-1b --prefix-len 2048 --suffix-len 64 --streams 8
 """
@@ -20,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,6 +62,8 @@ def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: l
         added[rid] = (time.perf_counter(), n_steps, first)
 
     n_steps = 0
+    sent: deque = deque()   # (when, outputs) handed to the sink, from either thread
+    engine.output_sink = lambda outs: sent.append((time.perf_counter(), outs))
     for _ in range(args.streams):
         add()
     clock = StepClock(engine)
@@ -68,16 +74,18 @@ def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: l
     while done < args.requests:
         outs = clock.step()
         n_steps += 1
-        for out in outs:
-            if out.request_id in added and out.outputs[0].delta_token_ids:
-                t, s, first = added.pop(out.request_id)
-                if not first:   # the first wave arrives together: not steady state
-                    ttft_ms.append((time.perf_counter() - t) * 1e3)
-                    ttft_steps.append(n_steps - s)
-                    cached.append(out.num_cached_tokens)
-            if out.finished:
-                done += 1
-                add()
+        batches = [sent.popleft() for _ in range(len(sent))] + [(time.perf_counter(), outs)]
+        for at, outs in batches:
+            for out in outs:
+                if out.request_id in added and out.outputs[0].delta_token_ids:
+                    t, s, first = added.pop(out.request_id)
+                    if not first:   # the first wave arrives together: not steady state
+                        ttft_ms.append((at - t) * 1e3)
+                        ttft_steps.append(n_steps - s)
+                        cached.append(out.num_cached_tokens)
+                if out.finished:
+                    done += 1
+                    add()
     wall = time.perf_counter() - t0
     if prof:
         prof.disable()
@@ -86,6 +94,7 @@ def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: l
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
+    engine.output_sink = None
     row = {"pass": kind, "requests": len(ttft_ms), "ttft_p50_ms": statistics.median(ttft_ms),
            "ttft_mean_ms": statistics.fmean(ttft_ms), "ttft_steps_p50": statistics.median(ttft_steps),
            "cached_tokens_p50": statistics.median(cached),
@@ -113,6 +122,9 @@ def main(argv=None):
     ap.add_argument("--pad-rows", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="a step's rows padded to a grid (auto: where matmuls plan per shape, CUDA); "
                          "each given mode runs its warm-up and both passes on the one engine")
+    ap.add_argument("--early-read", nargs="+", choices=["on", "off"], default=["on"],
+                    help="a small first-token step read back before the next is built (on: the "
+                         "engine's rule); each given mode runs within each --pad-rows mode")
     ap.add_argument("--cprofile", nargs="?", const="hit", choices=["hit", "miss"],
                     help="top host functions of the first hit (or miss) pass")
     ap.add_argument("--graph-prefill-tokens", type=int, default=0,
@@ -136,8 +148,11 @@ def main(argv=None):
     auto = engine.runner.pad_rows
     prof = cProfile.Profile() if args.cprofile else None
     rows, ratios = [], {}
-    for i, mode in enumerate(args.pad_rows):
+    reads_early = engine._reads_early
+    modes = [(pad, early) for pad in args.pad_rows for early in args.early_read]
+    for i, (mode, early) in enumerate(modes):
         engine.runner.pad_rows = {"auto": auto, "on": True, "off": False}[mode]
+        engine._reads_early = reads_early if early == "on" else (lambda pending: False)
         # Warm-up: the kernels and shapes of both passes, and the prefixes cached.
         warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.streams})
         run_pass(engine, "miss", warm, rng, prefixes, None)
@@ -145,18 +160,20 @@ def main(argv=None):
         miss, hit = (run_pass(engine, "miss", args, rng, prefixes, prof if i == 0 and args.cprofile == "miss" else None),
                      run_pass(engine, "hit", args, rng, prefixes, prof if i == 0 and args.cprofile == "hit" else None))
         for r in (miss, hit):
-            r["pad_rows"] = mode
+            r["pad_rows"], r["early_read"] = mode, early
         rows += [miss, hit]
-        ratios[mode] = miss["ttft_p50_ms"] / hit["ttft_p50_ms"]
+        ratios[mode if len(args.early_read) == 1 else f"{mode}, early read {early}"] = (
+            miss["ttft_p50_ms"] / hit["ttft_p50_ms"])
     print(f"attention backend {engine.runner.attention_backend}, {mx.default_device()}; "
           f"TTFT in the engine, miss/hit: " + ", ".join(f"{v:.2f}x (rows padded: {k})" for k, v in ratios.items()))
-    print(f"{'padded':>6} | {'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | {'n':>4} | "
-          f"{'wall ms':>8} | " + " | ".join(f"{p:>8}" for p in PARTS))
+    print(f"{'padded':>6} | {'early':>5} | {'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | "
+          f"{'n':>4} | {'wall ms':>8} | " + " | ".join(f"{p:>8}" for p in PARTS))
     for r in rows:
         for k in ("mixed", "decode"):
             if k in r:
                 s = r[k]
-                print(f"{r['pad_rows']:>6} | {r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | {r['ttft_steps_p50']:>5} | "
+                print(f"{r['pad_rows']:>6} | {r['early_read']:>5} | {r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | "
+                      f"{r['ttft_steps_p50']:>5} | "
                       f"{k:>9} | {s['n']:>4} | {s['wall']:>8.2f} | " + " | ".join(f"{s[p]:>8.2f}" for p in PARTS))
     out = {**run_meta(args), "attention_backend": engine.runner.attention_backend,
            "pad_rows_auto": auto, "ttft_ratio_miss_over_hit": ratios, "rows": rows}

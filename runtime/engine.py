@@ -45,6 +45,16 @@ log = logging.getLogger(__name__)
 # token hands off too: inline, that token would wait for the next step's queuing, 4-9
 # ms on an H100 (`hit_profile_gpu_h100_cprofile.json`), added to its time to first token.
 OVERLAP_MIN_SEQS = 32
+# A small step that samples some request's first token is read back before the next
+# step is built, not after, when the device is keeping up with the host: its token then
+# leaves a build earlier (the next step's graph, 1.5-3 ms on an H100), and the device,
+# done already, loses nothing. A larger step (a long prefill) keeps the overlap: its
+# device time hides the next build, and its first token leaves when the device is done
+# either way. The device counts as keeping up while reading a step back blocks less
+# than `EARLY_READ_MAX_BLOCK_S`; a read that blocks longer turns this off until one
+# does not. On MLX's CPU backend a step is done once queued: every size reads early.
+EARLY_READ_MAX_TOKENS = 512
+EARLY_READ_MAX_BLOCK_S = 0.001
 # Upper bounds (seconds) of the step-duration histogram in `stats()`. A step normally
 # takes milliseconds; one that stalls the loop (a kernel compiled or an attention plan
 # built on first use, a swap) holds up every request waiting for its turn.
@@ -145,6 +155,7 @@ class LLMEngine:
         self._inflight: PendingStep | None = None
         self._worker: ThreadPoolExecutor | None = None   # processes tokens while a step is queued
         self._undelivered: list[RequestOutput] = []
+        self._device_keeps_up = True   # the last step read back was done (`EARLY_READ_MAX_TOKENS`)
         # Where the outputs of a step processed on the worker thread go as soon as they
         # are ready; None (and for steps processed inline): `step()` returns them.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
@@ -318,9 +329,18 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._undelivered = self._undelivered, []
-        if self._inflight is not None and any(s.params.has_penalties for s in self.scheduler.running):
-            outputs += self._finish_step(self._inflight)
+        prev = self._inflight
+        if prev is not None and any(s.params.has_penalties for s in self.scheduler.running):
+            outputs += self._finish_step(prev)
             self._inflight = None
+        elif prev is not None and self._reads_early(prev):
+            early = self._finish_step(prev)
+            self._inflight = None
+            self.runner.wait()   # the next step is queued on an idle device (`ModelRunner.queue`)
+            if self.output_sink is not None and early:
+                self.output_sink(early)
+            else:
+                outputs += early
         sched = self.scheduler.schedule()
         prev, launched = self._inflight, self._build(sched) if sched else None
         if prev is not None:
@@ -351,12 +371,21 @@ class LLMEngine:
             seq.num_computed_tokens = s.start + s.num_tokens
         return pending
 
+    def _reads_early(self, pending: PendingStep) -> bool:
+        """Whether the step in flight is read back before the next one is built
+        (`EARLY_READ_MAX_TOKENS`)."""
+        return (self._device_keeps_up and len(pending.seqs) < OVERLAP_MIN_SEQS
+                and (self._queue_computes or pending.num_tokens <= EARLY_READ_MAX_TOKENS)
+                and self._samples_first_token(pending))
+
     def _finish_step(self, pending: PendingStep, then: PendingStep | None = None) -> list[RequestOutput]:
         """Read back `pending`'s sampled tokens and process them; queue `then`, the next
         step, on the device meanwhile. Queuing encodes the step's kernels with the GIL
         released, so for large steps the tokens are processed on a worker thread during
         it: the two host costs overlap instead of adding up. Only this thread calls MLX."""
+        t = time.perf_counter()
         tokens = self.runner.collect(pending)
+        self._device_keeps_up = time.perf_counter() - t < EARLY_READ_MAX_BLOCK_S
         if then is None:
             return self._process(pending, tokens)
         # `then` may be queued only once `pending` is done (see `ModelRunner.queue`). Wait

@@ -67,6 +67,7 @@ class PendingStep:
     positions: list[int] = field(default_factory=list)   # where each sampled token goes
     prompt: PromptRows | None = None
     logits: mx.array | None = None
+    num_tokens: int = 0   # new tokens the step computes, all sequences together
 
     @property
     def deferred(self) -> bool:
@@ -228,7 +229,8 @@ class ModelRunner:
         deferred = defer_sampling and bool(seqs)
         step = PendingStep(seqs, sample(sampling, seqs) if seqs and not deferred else None,
                            {seq.seq_id: i for i, seq in enumerate(seqs)},
-                           logits=sampling if deferred else None)
+                           logits=sampling if deferred else None,
+                           num_tokens=sum(s.num_tokens for s in scheduled))
         if spans:
             targets = [seq.token_ids[p + 1] for seq, first, count, _ in spans for p in range(first, first + count)]
             k = max(seq.params.prompt_logprobs for seq, *_ in spans)

@@ -187,11 +187,13 @@ def test_structured_output_runs_every_request_to_its_length(tmp_path):
 def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
     hit_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--jitter", "0.5", "--streams", "2",
                       "--requests", "6", "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t",
-                      "--pad-rows", "off", "on", "--results-dir", str(tmp_path)])
+                      "--pad-rows", "off", "on", "--early-read", "off", "on", "--results-dir", str(tmp_path)])
     out = json.loads((tmp_path / "hit_profile_t.json").read_text())
-    assert out["pad_rows_auto"] is False and set(out["ttft_ratio_miss_over_hit"]) == {"off", "on"}
-    assert [(r["pad_rows"], r["pass"]) for r in out["rows"]] == [("off", "miss"), ("off", "hit"),
-                                                                 ("on", "miss"), ("on", "hit")]
+    modes = [(pad, early) for pad in ("off", "on") for early in ("off", "on")]
+    assert out["pad_rows_auto"] is False
+    assert set(out["ttft_ratio_miss_over_hit"]) == {f"{pad}, early read {early}" for pad, early in modes}
+    assert [(r["pad_rows"], r["early_read"], r["pass"]) for r in out["rows"]] == [
+        (*m, kind) for m in modes for kind in ("miss", "hit")]
     for r in out["rows"]:
         assert r["cached_tokens_p50"] == (64 if r["pass"] == "hit" else 0)   # four whole blocks
         assert r["ttft_steps_p50"] >= 2 and r["mixed"]["n"] >= 1 and r["decode"]["n"] >= 1

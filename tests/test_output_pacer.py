@@ -146,31 +146,60 @@ def test_a_large_steps_outputs_leave_while_the_next_step_is_queued(default_model
     assert any(during_queue) and returned > 0   # large steps early; the last, inline, from step()
 
 
-@pytest.mark.parametrize("queue_computes", [True, False])
-def test_small_steps_hand_off_where_queuing_computes_or_a_first_token_waits(default_model, queue_computes):
-    """On MLX's CPU backend queuing a step computes it, so with a sink even a step of
-    one sequence hands its outputs on from the worker while the next is queued. On a
-    GPU (queuing only encodes; set here) a small step processes inline, unless it
-    samples a request's first token: that output leaves from the worker while the next
-    step is queued, not after."""
+@pytest.mark.parametrize("case", ["cpu", "gpu", "gpu, large step", "gpu, device behind"])
+def test_a_first_token_leaves_before_the_next_step_is_built(default_model, monkeypatch, case):
+    """A small step that samples a request's first token is read back, and its output
+    handed to the sink, before the next step is built, on the CPU backend (queuing a
+    step computes it) and on a GPU (queuing only encodes; set here). On a GPU it keeps
+    the overlap (its output leaves from the worker while the next step is queued) for a
+    step over `EARLY_READ_MAX_TOKENS`, and while reading back blocks on the device. On
+    the CPU every later step hands its outputs off from the worker too; on a GPU a small
+    step processes them inline."""
     cfg = EngineConfig(model=default_model, num_gpu_blocks=64, max_model_len=128)
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = LLMEngine(cfg).generate(["The miller"], p)[0].outputs[0].token_ids
     eng = LLMEngine(cfg)
-    eng._queue_computes = queue_computes
-    got, handed = [], []   # handed: (from the worker, carried the first token) per sink call
+    eng._queue_computes = case == "cpu"
+    if case == "gpu, large step":
+        monkeypatch.setattr(engine_module, "EARLY_READ_MAX_TOKENS", 2)
+    if case == "gpu, device behind":
+        collect = eng.runner.collect
+
+        def slow_collect(pending):
+            threading.Event().wait(2 * engine_module.EARLY_READ_MAX_BLOCK_S)
+            return collect(pending)
+
+        eng.runner.collect = slow_collect
+    got, events = [], []   # events: "build", or (sink called from the worker, carried the first token)
+    build = eng.runner.build
+
+    def logged_build(*args, **kwargs):
+        events.append("build")
+        return build(*args, **kwargs)
 
     def sink(outputs):
-        handed.append((threading.current_thread() is not threading.main_thread(), not got))
+        events.append((threading.current_thread() is not threading.main_thread(), not got))
         got.extend(t for o in outputs for t in o.outputs[0].delta_token_ids)
 
+    eng.runner.build = logged_build
     eng.output_sink = sink
+    if case == "gpu, device behind":   # reading this one back shows the device behind
+        eng.add_request("w", "The weaver", p)
+        while eng.has_unfinished_requests():
+            eng.step()
+        got.clear()
+        events.clear()
     eng.add_request("r", "The miller", p)
     while eng.has_unfinished_requests():
         got.extend(t for o in eng.step() for t in o.outputs[0].delta_token_ids)
     eng.close()
     assert got == want
-    if queue_computes:
-        assert handed and all(worker for worker, _ in handed)
+    handed = [e for e in events if e != "build"]
+    if case in ("cpu", "gpu"):
+        assert events[:3] == ["build", (False, True), "build"]
     else:
-        assert handed == [(True, True)]
+        assert events[:3] == ["build", "build", (True, True)]
+    if case == "cpu":
+        assert all(worker for worker, _ in handed[1:])
+    else:
+        assert len(handed) == 1
