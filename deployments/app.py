@@ -19,7 +19,7 @@ from runtime.models import default_model_path
 from .colocated import ColocatedServer
 from .ingress import OpenAIIngress
 from .llm_server import LLMServer
-from .response_store import MAX_BYTES, MAX_RESPONSES, ResponseStore
+from .response_store import BACKGROUND_LEASE_S, MAX_BYTES, MAX_RESPONSES, ResponseStore
 
 
 class DeploymentArgs(BaseModel):
@@ -48,6 +48,9 @@ class ResponseStoreArgs(BaseModel):
     enabled: bool = True
     max_responses: int = Field(MAX_RESPONSES, ge=1)
     max_bytes: int = Field(MAX_BYTES, ge=1)
+    background_lease_s: float = Field(BACKGROUND_LEASE_S, ge=2.0,
+                                      description="a background response whose replica has not said it "
+                                                  "runs it for this long reads as failed")
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
 
 
@@ -188,7 +191,8 @@ def build_app(args: AppArgs) -> serve.Application:
     if args.response_store.enabled:
         s = args.response_store
         opts = _options(DeploymentArgs(ray_actor_options=s.ray_actor_options), INGRESS_MAX_ONGOING, env)
-        store = serve.deployment(ResponseStore, name="ResponseStore", **opts).bind(s.max_responses, s.max_bytes)
+        store = serve.deployment(ResponseStore, name="ResponseStore", **opts).bind(
+            s.max_responses, s.max_bytes, s.background_lease_s)
     if args.colocate:
         opts, max_requests = _options(args.llm_server, LLM_SERVER_MAX_ONGOING, env), None
         if opts["max_queued_requests"] >= 0:

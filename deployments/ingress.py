@@ -647,14 +647,16 @@ class OpenAIIngress:
             watcher.cancel()
 
     async def _watch_cancel(self, owner: str | None, rid: str, task: asyncio.Task) -> None:
-        """Cancel `task` once its stored response reads cancelled or is gone."""
+        """Renew the stored response's lease while `task` runs it (`ResponseStore.renew`);
+        cancel `task` once the response reads cancelled (or failed: the lease lapsed) or
+        is gone."""
         while True:
             await asyncio.sleep(BACKGROUND_POLL_S)
             try:
-                record = await self.store.get(owner, rid)
+                record = await self.store.renew(owner, rid)
             except Exception:   # the store is being replaced: ask again next time
                 continue
-            if record is None or record.response["status"] == "cancelled":
+            if record is None or record.response["status"] in ("cancelled", "failed"):
                 task.cancel()
                 return
 

@@ -9,7 +9,9 @@ and at most `max_bytes` of their JSON; the oldest go first. A record belongs to 
 key that made it (by `owner`, the key's tenant salt): another key neither reads nor
 deletes it. A background response is kept as it starts (`in_progress`) and again when it
 ends; one cancelled meanwhile stays cancelled, which is how a cancel reaches the ingress
-replica running it.
+replica running it. That replica renews the response's lease while it runs (`renew`,
+every second or so); a response whose lease lapsed (its replica died, or its process was
+replaced) reads as failed from then on, rather than `in_progress` for ever.
 
 The app runs one `ResponseStore` replica that every ingress replica calls, so a chain
 may continue on any replica; `StoreClient` calls it through a Serve handle, or calls an
@@ -19,10 +21,15 @@ instance in the same process directly.
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from time import monotonic
 from typing import Any
 
 MAX_RESPONSES = 10_000
 MAX_BYTES = 256 << 20
+BACKGROUND_LEASE_S = 30.0
+RUNNING = ("queued", "in_progress")
+ORPHANED = {"code": "server_error",
+            "message": "the server running this background response stopped before it finished"}
 
 
 @dataclass
@@ -31,6 +38,8 @@ class StoredResponse:
     response: dict        # the response body as its client got it
     input_items: list     # every item it was made from, with ids: the chain's, then its own input
     size: int             # bytes of the two as JSON
+    renewed: float = 0.0  # when its replica last said it runs (a background response)
+    final: bool = False   # ended here (cancelled, or its lease lapsed): a later put does not change it
 
     @property
     def conversation(self) -> list:
@@ -39,10 +48,14 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES):
+    def __init__(self, max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES,
+                 background_lease_s: float = BACKGROUND_LEASE_S):
         if max_responses < 1 or max_bytes < 1:
             raise ValueError("max_responses and max_bytes must be at least 1")
+        if background_lease_s <= 0:
+            raise ValueError("background_lease_s must be positive")
         self.max_responses, self.max_bytes = max_responses, max_bytes
+        self.background_lease_s = background_lease_s
         self._records: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
 
@@ -50,15 +63,19 @@ class ResponseStore:
     # time, where plain methods could run on several threads at once.
     async def put(self, owner: str | None, response: dict, input_items: list) -> bool:
         """Keep a response (a background one again as it moves on); False when it alone
-        is larger than `max_bytes`. A cancelled response stays as it was cancelled."""
+        is larger than `max_bytes`. A response ended here (cancelled, or failed when its
+        lease lapsed) stays as it ended."""
+        return self._put(owner, response, input_items)
+
+    def _put(self, owner: str | None, response: dict, input_items: list, final: bool = False) -> bool:
         size = len(json.dumps(response)) + len(json.dumps(input_items))
         if size > self.max_bytes:
             return False
         kept = self._records.get(response["id"])
-        if kept is not None and kept.response.get("status") == "cancelled":
+        if kept is not None and kept.final:
             return True
         self._drop(response["id"])
-        self._records[response["id"]] = StoredResponse(owner, response, input_items, size)
+        self._records[response["id"]] = StoredResponse(owner, response, input_items, size, monotonic(), final)
         self._bytes += size
         while len(self._records) > self.max_responses or self._bytes > self.max_bytes:
             self._drop(next(iter(self._records)))
@@ -69,6 +86,19 @@ class ResponseStore:
         if record is None or record.owner != owner:
             return None
         self._records.move_to_end(response_id)   # a chain in use is the last to go
+        if (record.response.get("status") in RUNNING
+                and monotonic() - record.renewed > self.background_lease_s):
+            self._put(owner, {**record.response, "status": "failed", "error": ORPHANED}, record.input_items,
+                      final=True)
+            record = self._records[response_id]
+        return record
+
+    async def renew(self, owner: str | None, response_id: str) -> StoredResponse | None:
+        """A background response's replica saying it still runs it: its lease renewed,
+        and the record as it reads (cancelled, failed or gone: the run should stop)."""
+        record = await self.get(owner, response_id)
+        if record is not None and record.response.get("status") in RUNNING:
+            record.renewed = monotonic()
         return record
 
     async def delete(self, owner: str | None, response_id: str) -> bool:
@@ -83,10 +113,10 @@ class ResponseStore:
         record = await self.get(owner, response_id)
         if record is None:
             return None
-        if record.response.get("status") not in ("queued", "in_progress"):
+        if record.response.get("status") not in RUNNING:
             return False, record.response
         response = {**record.response, "status": "cancelled"}
-        await self.put(owner, response, record.input_items)
+        self._put(owner, response, record.input_items, final=True)
         return True, response
 
     async def stats(self) -> dict:
@@ -121,3 +151,6 @@ class StoreClient:
 
     async def cancel(self, owner: str | None, response_id: str) -> tuple[bool, dict] | None:
         return await self._call("cancel", owner, response_id)
+
+    async def renew(self, owner: str | None, response_id: str) -> StoredResponse | None:
+        return await self._call("renew", owner, response_id)

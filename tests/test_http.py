@@ -1029,10 +1029,10 @@ def test_the_response_store_is_one_replica_both_apps_share():
     split = build_app(AppArgs(response_store={"max_responses": 7, "max_bytes": 1000}))
     for store in (colocated._bound_deployment.init_args[3], split._bound_deployment.init_args[2]):
         d = store._bound_deployment
-        assert (d.name, d.num_replicas, d.init_args) == ("ResponseStore", 1, (7, 1000))
+        assert (d.name, d.num_replicas, d.init_args) == ("ResponseStore", 1, (7, 1000, 30.0))
         assert d.ray_actor_options["num_cpus"] == 0 and d.max_ongoing_requests > 5
     assert build_app(AppArgs(colocate=True, response_store={"enabled": False}))._bound_deployment.init_args[3] is None
-    for bad in ({"max_responses": 0}, {"max_bytes": -1}, {"size": 3}):
+    for bad in ({"max_responses": 0}, {"max_bytes": -1}, {"background_lease_s": 1}, {"size": 3}):
         with pytest.raises(pydantic.ValidationError):
             AppArgs(response_store=bad)
 

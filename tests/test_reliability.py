@@ -24,6 +24,7 @@ MODEL = "default"
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 BODY_LIMIT = 32 << 10
 STALL_S = 10.0   # engine_stall_timeout_s of the apps whose engines these tests stop
+LEASE_S = 3.0    # response_store.background_lease_s of the "rel" app
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def server():
             engine={"max_num_seqs": 32, "kv_cache_memory_bytes": 64 << 20}, engine_stall_timeout_s=STALL_S,
             llm_server={"ray_actor_options": small, "max_ongoing_requests": 256,
                         "health_check_period_s": 2.0, "health_check_timeout_s": 10.0},
-            ingress={"ray_actor_options": {"num_cpus": 0.1}}),
+            ingress={"ray_actor_options": {"num_cpus": 0.1}}, response_store={"background_lease_s": LEASE_S}),
         app("tiny", "/tiny", served_model_name=MODEL,
             engine={"num_gpu_blocks": 20, "block_size": 16, "max_num_seqs": 16},
             llm_server={"ray_actor_options": small}, ingress={"ray_actor_options": {"num_cpus": 0.1}}),
@@ -570,3 +571,31 @@ def test_a_lost_response_store_is_replaced_empty(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=before.id)
     assert e.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_background_response_whose_replica_died_reads_failed(server):
+    """The ingress replica running a background response killed: Serve replaces it, and
+    once the response's lease lapses (`LEASE_S` in this app) polling it reads failed,
+    with a server error, rather than `in_progress` for ever."""
+    c = openai.OpenAI(base_url=server.urls["rel"] + "/v1", api_key="unused", max_retries=0, timeout=30)
+    r = c.responses.create(model=MODEL, input="Tell me a long story", temperature=0, max_output_tokens=1500,
+                           background=True)
+    ingress = live_pids("-f", "ServeReplica:rel:OpenAIIngress")
+    assert r.status == "in_progress" and ingress
+    for pid in ingress:
+        os.kill(pid, signal.SIGKILL)
+    t, polled = time.monotonic(), []
+    while time.monotonic() - t < 60:
+        try:
+            got = c.responses.retrieve(r.id)
+        except openai.APIError:        # no ingress replica yet
+            time.sleep(0.5)
+            continue
+        polled.append(got.status)
+        if got.status != "in_progress":
+            break
+        time.sleep(0.5)
+    print(f"after the kill: {len(polled)} polls answered, last {polled[-1:]}, {time.monotonic() - t:.1f} s")
+    assert polled and polled[-1] == "failed", polled
+    assert got.error.code == "server_error"
+    assert [p for p in live_pids("-f", "ServeReplica:rel:OpenAIIngress") if p in ingress] == []

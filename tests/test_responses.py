@@ -236,9 +236,45 @@ def test_the_store_keeps_the_newest_within_its_bounds_and_each_owners_own():
     asyncio.run(run())
 
 
+def test_a_background_response_whose_lease_lapses_reads_failed(monkeypatch):
+    """A background response reads `in_progress` while its replica renews its lease;
+    once the lease lapses (the replica went away) it reads failed, for good, and a later
+    put from a replica that was only slow does not change that."""
+    import asyncio
+
+    import deployments.response_store as store_module
+    from deployments.response_store import ORPHANED, ResponseStore, StoreClient
+
+    now = [100.0]
+    monkeypatch.setattr(store_module, "monotonic", lambda: now[0])
+
+    async def run():
+        store = StoreClient(ResponseStore(background_lease_s=30))
+        running = {**_stored("bg"), "status": "in_progress"}
+        assert await store.put("a", running, [])
+        now[0] += 29
+        assert (await store.get("a", "bg")).response["status"] == "in_progress"
+        assert (await store.renew("a", "bg")).response["status"] == "in_progress"
+        now[0] += 29                                             # 58 s on, renewed 29 s ago
+        assert (await store.get("a", "bg")).response["status"] == "in_progress"
+        assert await store.renew("b", "bg") is None              # another key's: not renewed
+        now[0] += 2
+        got = (await store.get("a", "bg")).response
+        assert got == {**running, "status": "failed", "error": ORPHANED}
+        assert await store.put("a", {**running, "status": "completed"}, [])
+        assert (await store.renew("a", "bg")).response["status"] == "failed"
+        assert (await store.cancel("a", "bg"))[0] is False
+        assert await store.put("a", _stored("done"), [])        # finished responses have no lease
+        now[0] += 1000
+        assert (await store.get("a", "done")).response["status"] == "completed"
+
+    asyncio.run(run())
+
+
 def test_a_background_response_stops_when_its_stored_copy_is_cancelled(monkeypatch):
     """A cancel that reached another ingress replica only marks the stored response; the
-    replica running it sees the mark and stops it, as it does when it is deleted."""
+    replica running it sees the mark and stops it, as it does when it is deleted, and
+    when its lease lapsed (the store reads it failed: a replica stalled that long)."""
     import asyncio
 
     import deployments.ingress as ingress_module
@@ -251,19 +287,22 @@ def test_a_background_response_stops_when_its_stored_copy_is_cancelled(monkeypat
 
     async def run():
         outcome = []
-        for stop in ("cancel", "delete"):
+        for stop in ("cancel", "delete", "lapse"):
             await ingress.store.put(None, {**_stored(stop), "status": "in_progress"}, [])
             running = asyncio.create_task(asyncio.sleep(60))
             watcher = asyncio.create_task(ingress._watch_cancel(None, stop, running))
             await asyncio.sleep(0.05)
             assert not running.done()
-            await getattr(ingress.store, stop)(None, stop)
+            if stop == "lapse":
+                ingress.store._store._records[stop].renewed -= 3600
+            else:
+                await getattr(ingress.store, stop)(None, stop)
             await asyncio.wait_for(watcher, 2)
             await asyncio.sleep(0)
             outcome.append(running.cancelled())
         return outcome
 
-    assert asyncio.run(run()) == [True, True]
+    assert asyncio.run(run()) == [True, True, True]
 
 
 def test_input_items_pages_as_openais_list():
