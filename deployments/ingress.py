@@ -31,7 +31,9 @@ from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
+from . import conversations
 from .chat_output import ChoiceParser
+from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import StoreClient
 from .responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
@@ -53,20 +55,7 @@ INLINE_PROMPT_CHARS = 256
 # OpenAI's routes to stored objects under an id: responses where the app keeps them
 # (response_store.py); chat completions are never stored.
 STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
-INPUT_ITEMS_MAX = 100
 BACKGROUND_POLL_S = 1.0   # how often a background response looks for a cancel made on another replica
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.type, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
 
 
 # Fields of the chat body a Responses request becomes, by the field the client sent.
@@ -134,6 +123,16 @@ class OpenAIIngress:
         return key.decode()
 
     async def _body(self, request: Request, model_cls):
+        """The request's body as a generation request (`model_cls`), its model and any
+        structured output constraint checked."""
+        body = await self._parsed(request, model_cls)
+        self._check_model(body.model)
+        await self._check_constraint(body)
+        return body
+
+    async def _parsed(self, request: Request, model_cls):
+        """The request's JSON body as `model_cls`: 413 over the body limit, 400 if it does
+        not parse or validate."""
         limit = self.s["max_request_body_bytes"]
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -148,12 +147,9 @@ class OpenAIIngress:
         if not isinstance(data, dict):
             raise HTTPError(400, "the request body must be a JSON object")
         try:
-            body = model_cls.model_validate(data)
+            return model_cls.model_validate(data)
         except ValidationError as e:
             raise _validation_error(e) from None
-        self._check_model(body.model)
-        await self._check_constraint(body)
-        return body
 
     async def _check_constraint(self, body) -> None:
         """400 for a body whose structured output grammar llguidance rejects. A grammar
@@ -276,6 +272,13 @@ class OpenAIIngress:
             if path.startswith("/v1/responses/") and self.store is not None:
                 return await self.stored_response(path.removeprefix("/v1/responses/"), method,
                                                   request.query_params, api_key)
+            if path == "/v1/conversations" or path.startswith("/v1/conversations/"):
+                if self.store is None:
+                    raise HTTPError(404, "this server keeps no conversations (its response store is off): "
+                                         "send the whole conversation with each request", code="not_found")
+                return await conversations.handle(self.store, self._owner(api_key),
+                                                  path.removeprefix("/v1/conversations"), method,
+                                                  request.query_params, partial(self._parsed, request))
             if path.startswith(STORED_PATHS) or (path == "/v1/chat/completions" and method == "GET"):
                 what = "chat completions" if self.store is not None else "responses or chat completions"
                 raise HTTPError(404, f"this server stores no {what} (every request is as with store: false), "
@@ -492,11 +495,20 @@ class OpenAIIngress:
         """Whose stored responses a request may read: its API key's tenant."""
         return tenant_salt(api_key) if api_key is not None else None
 
-    async def _conversation(self, body: ResponsesRequest, owner: str | None) -> ResponsesRequest:
-        """The request with the stored conversation it continues (`previous_response_id`)
-        before its own input, every item with an id."""
-        history = []
-        if body.previous_response_id is not None:
+    async def _conversation(self, body: ResponsesRequest, owner: str | None) -> tuple[ResponsesRequest, list]:
+        """The request with the stored conversation it continues (`previous_response_id`,
+        or the items of its `conversation`) before its own input, every item with an id;
+        and its own input items."""
+        history, own = [], body.input_items()
+        if (conv_id := body.conversation_id) is not None:
+            if self.store is None:
+                raise HTTPError(400, "this server keeps no conversations: send the whole conversation in input",
+                                param="conversation")
+            history = await self.store.conversation("items", owner, conv_id)
+            if history is None:
+                raise HTTPError(404, f"Conversation with id '{conv_id}' not found.", param="conversation",
+                                code="not_found")
+        elif body.previous_response_id is not None:
             if self.store is None:
                 raise HTTPError(400, "this server stores no responses: send the whole conversation in input "
                                      "(as with store: false)", param="previous_response_id")
@@ -505,11 +517,19 @@ class OpenAIIngress:
                 raise HTTPError(400, f"Previous response with id '{body.previous_response_id}' not found.",
                                 param="previous_response_id", code="previous_response_not_found")
             history = prev.conversation
-        return body.with_input(history + body.input_items())
+        return body.with_input(history + own), own
 
-    async def _keep(self, body: ResponsesRequest, owner: str | None, response: dict) -> None:
-        """Store a finished response, if asked; a store that fails costs the caller nothing
-        but the chain (logged)."""
+    async def _keep(self, body: ResponsesRequest, owner: str | None, own: list, response: dict) -> None:
+        """Store a finished response, if asked, and add its input (`own`) and output items
+        to its conversation once it ended well; a store that fails costs the caller
+        nothing but the chain (logged)."""
+        if (conv_id := body.conversation_id) is not None and response["status"] in ("completed", "incomplete"):
+            try:
+                if await self.store.conversation("append", owner, conv_id, own + response["output"]) is None:
+                    log.warning("conversation %s not extended: gone, or larger than response_store.max_bytes",
+                                conv_id)
+            except Exception:
+                log.exception("could not extend conversation %s", conv_id)
         if self.store is None or not body.stored:
             return
         try:
@@ -536,7 +556,7 @@ class OpenAIIngress:
             await self.store.delete(owner, rid)
             return JSONResponse({"id": rid, "object": "response", "deleted": True})
         if (method, sub) == ("GET", "input_items"):
-            return JSONResponse(input_items_page(record.input_items, query))
+            return JSONResponse(items_page(record.input_items, query))
         if (method, sub) == ("POST", "cancel"):
             cancelled, response = await self.store.cancel(owner, rid)
             if not cancelled:
@@ -588,7 +608,7 @@ class OpenAIIngress:
 
     async def _respond(self, body: ResponsesRequest, api_key: str | None, t0: float) -> Response:
         owner = self._owner(api_key)
-        body, ids = await self._conversation(body, owner), None
+        (body, own), ids = await self._conversation(body, owner), None
         if body.truncation == "auto":
             body, ids = await self._truncated(body)
         if body.background and (self.store is None or not body.stored):
@@ -602,7 +622,7 @@ class OpenAIIngress:
         envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
         end = markers[1] if markers else None
         text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
-        keep = partial(self._keep, body, owner)
+        keep = partial(self._keep, body, owner, own)
         if body.stream:
             return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps, keep),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
@@ -846,31 +866,6 @@ class OpenAIIngress:
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
-
-
-def input_items_page(items: list[dict], query) -> dict:
-    """One page of a stored response's input items, as OpenAI lists them: `order` (`desc`,
-    the default, or `asc`), `after` (an item id: the items past it in that order) and
-    `limit` (1 to 100, default 20)."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise HTTPError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-    try:
-        limit = int(query.get("limit", 20))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= INPUT_ITEMS_MAX:
-        raise HTTPError(400, f"limit must be an integer from 1 to {INPUT_ITEMS_MAX}", param="limit")
-    ordered = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise HTTPError(400, f"no input item with id {after!r} in this response", param="after")
-        ordered = ordered[ids.index(after) + 1:]
-    page = ordered[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
 
 
 def _joined(a: dict, b: dict) -> dict:

@@ -15,7 +15,8 @@ replaced) reads as failed from then on, rather than `in_progress` for ever.
 
 The app runs one `ResponseStore` replica that every ingress replica calls, so a chain
 may continue on any replica; `StoreClient` calls it through a Serve handle, or calls an
-instance in the same process directly.
+instance in the same process directly. The replica holds the app's conversations too
+(conversation_store.py), within the same bounds.
 """
 
 import json
@@ -24,12 +25,15 @@ from dataclasses import dataclass
 from time import monotonic
 from typing import Any
 
+from .conversation_store import ConversationStore
+
 MAX_RESPONSES = 10_000
 MAX_BYTES = 256 << 20
 BACKGROUND_LEASE_S = 30.0
 RUNNING = ("queued", "in_progress")
 ORPHANED = {"code": "server_error",
             "message": "the server running this background response stopped before it finished"}
+CONVERSATION_METHODS = frozenset({"create", "get", "update", "delete", "items", "append", "delete_item"})
 
 
 @dataclass
@@ -58,6 +62,7 @@ class ResponseStore:
         self.background_lease_s = background_lease_s
         self._records: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        self._conversations = ConversationStore(max_responses, max_bytes)
 
     # Coroutines without awaits: Serve runs them on the replica's event loop one at a
     # time, where plain methods could run on several threads at once.
@@ -119,8 +124,14 @@ class ResponseStore:
         self._put(owner, response, record.input_items, final=True)
         return True, response
 
+    async def conversation(self, method: str, *args):
+        """`ConversationStore.<method>(*args)`, on this replica's loop as the rest."""
+        if method not in CONVERSATION_METHODS:
+            raise ValueError(f"no conversation method {method!r}")
+        return getattr(self._conversations, method)(*args)
+
     async def stats(self) -> dict:
-        return {"responses": len(self._records), "bytes": self._bytes}
+        return {"responses": len(self._records), "bytes": self._bytes, **self._conversations.stats()}
 
     def _drop(self, response_id: str) -> None:
         record = self._records.pop(response_id, None)
@@ -154,3 +165,6 @@ class StoreClient:
 
     async def renew(self, owner: str | None, response_id: str) -> StoredResponse | None:
         return await self._call("renew", owner, response_id)
+
+    async def conversation(self, method: str, *args):
+        return await self._call("conversation", method, *args)

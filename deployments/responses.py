@@ -6,7 +6,9 @@ and tool and reasoning parsing serve both endpoints. The choice's reasoning, tex
 tool calls come back as output items: whole, or as the API's stream of typed events
 (`ResponseEvents`). A response made with `store` (the default) is kept by the app's
 store (response_store.py) with the items it was made from, so `previous_response_id`
-can continue it: its items, then its output, come before the request's own input.
+can continue it: its items, then its output, come before the request's own input. A
+request in a `conversation` (conversation_store.py) reads the conversation's items
+before its own input in the same way, and adds its input and output to it when done.
 """
 
 import time
@@ -136,6 +138,10 @@ class TextConfig(_Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ConversationRef(_Strict):
+    id: str
+
+
 class ReasoningConfig(_Strict):
     """`effort` reaches the chat template as `reasoning_effort`, as the chat endpoint's
     field does; a summary is never made (reasoning comes back whole)."""
@@ -163,12 +169,15 @@ class ResponsesRequest(Bookkeeping):
     include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     previous_response_id: str | None = None
+    conversation: Union[str, ConversationRef, None] = None
     background: bool = False
 
     @model_validator(mode="after")
     def _check(self):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
+        if self.previous_response_id is not None and self.conversation is not None:
+            raise ValueError("previous_response_id and conversation are mutually exclusive: give one of them")
         if self.background and self.store is False:
             raise ValueError("a background response is read back from the store: store must not be false")
         if self.background and self.stream:
@@ -180,21 +189,15 @@ class ResponsesRequest(Bookkeeping):
         """Whether the response is to be kept: OpenAI's default, unless `store: false`."""
         return self.store is not False
 
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c if isinstance(c, str) or c is None else c.id
+
     def input_items(self) -> list[dict]:
-        """The input as items a store keeps and lists back: each with an id, a message's
-        text as content parts."""
-        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        out = []
-        for item in items:
-            d = item.model_dump(exclude_none=True)
-            d.setdefault("id", _id(_ITEM_ID_PREFIX[d["type"]]))
-            if d["type"] != "reasoning":
-                d.setdefault("status", "completed")
-            if d["type"] == "message" and isinstance(d["content"], str):
-                kind = "output_text" if d["role"] == "assistant" else "input_text"
-                d["content"] = [{"type": kind, "text": d["content"]}]
-            out.append(d)
-        return out
+        """The input as items a store keeps and lists back (`stored_items`)."""
+        return stored_items([MessageItem(role="user", content=self.input)] if isinstance(self.input, str)
+                            else self.input)
 
     def turn_starts(self) -> list[int]:
         """Where the input's turns begin (its user messages): where `truncation: "auto"`
@@ -287,7 +290,24 @@ class ResponsesRequest(Bookkeeping):
             "reasoning": (self.reasoning or ReasoningConfig()).model_dump(exclude={"generate_summary"}),
             "store": stored, "metadata": self.metadata or {}, "previous_response_id": self.previous_response_id,
             "truncation": self.truncation or "disabled", "user": self.user, "background": self.background,
+            "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
         }
+
+
+def stored_items(items: list) -> list[dict]:
+    """Input items as a store keeps and lists them back: each with an id (a new one
+    where it has none) and a status, a message's text as content parts."""
+    out = []
+    for item in items:
+        d = item.model_dump(exclude_none=True)
+        d.setdefault("id", _id(_ITEM_ID_PREFIX[d["type"]]))
+        if d["type"] != "reasoning":
+            d.setdefault("status", "completed")
+        if d["type"] == "message" and isinstance(d["content"], str):
+            kind = "output_text" if d["role"] == "assistant" else "input_text"
+            d["content"] = [{"type": kind, "text": d["content"]}]
+        out.append(d)
+    return out
 
 
 def _id(prefix: str) -> str:

@@ -1174,6 +1174,64 @@ def test_stored_responses_belong_to_their_api_key(server, secure):
     assert e.value.body["code"] == "previous_response_not_found"
     assert mine.responses.retrieve(r.id).id == r.id
     assert mine.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id).id
+    conv = mine.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    for call in (other.conversations.retrieve, other.conversations.items.list, other.conversations.delete,
+                 lambda c: other.conversations.items.create(c, items=[{"role": "user", "content": "x"}]),
+                 lambda c: other.responses.create(model=MODEL, input="hi", max_output_tokens=2, conversation=c)):
+        with pytest.raises(openai.NotFoundError):
+            call(conv.id)
+    assert len(mine.conversations.items.list(conv.id).data) == 1
+
+
+def test_conversations_hold_the_turns_responses_add(client):
+    """A conversation's items come before a response's input when the response names it,
+    as if sent whole (the same text and input tokens), plain and streamed; the response
+    adds its input and output to it. Its items are listed, added, read and deleted by
+    hand, its metadata updated; deleted, it is a 404 everywhere."""
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello there"}],
+                                       metadata={"topic": "greeting"})
+    assert conv.object == "conversation" and conv.metadata == {"topic": "greeting"}
+    assert client.conversations.retrieve(conv.id).model_dump() == conv.model_dump()
+    r = client.responses.create(model=MODEL, conversation=conv.id, input="And again?", temperature=0,
+                                max_output_tokens=6)
+    whole = [{"role": "user", "content": "Hello there"}, {"role": "user", "content": "And again?"}]
+    sent = client.responses.create(model=MODEL, input=whole, temperature=0, max_output_tokens=6, store=False)
+    assert r.output_text == sent.output_text and r.usage.input_tokens == sent.usage.input_tokens
+    assert r.conversation.id == conv.id and sent.conversation is None
+    items = list(client.conversations.items.list(conv.id, order="asc", limit=1))   # one item a page
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert items[1].content[0].text == "And again?" and items[2].id == r.output[0].id
+
+    more = dict(model=MODEL, input="Once more", temperature=0, max_output_tokens=4)
+    streamed = list(client.responses.create(**more, conversation={"id": conv.id}, stream=True))[-1].response
+    sent = client.responses.create(**{**more, "store": False, "input": [
+        *whole, r.output[0].model_dump(exclude_none=True), {"role": "user", "content": "Once more"}]})
+    assert streamed.output_text == sent.output_text and streamed.usage.input_tokens == sent.usage.input_tokens
+    listed = client.conversations.items.list(conv.id).data      # newest first
+    assert len(listed) == 5 and listed[0].id == streamed.output[0].id
+
+    added = client.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "user", "content": "Noted"}]).data
+    assert len(added) == 1 and added[0].content[0].text == "Noted"
+    got = client.conversations.items.retrieve(added[0].id, conversation_id=conv.id)
+    assert got.model_dump() == added[0].model_dump()
+    assert client.conversations.items.delete(added[0].id, conversation_id=conv.id).id == conv.id
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(added[0].id, conversation_id=conv.id)
+    assert len(client.conversations.items.list(conv.id).data) == 5
+    assert client.conversations.update(conv.id, metadata={"topic": "farewell"}).metadata == {"topic": "farewell"}
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**more, conversation=conv.id, previous_response_id=r.id)
+    assert "mutually exclusive" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.conversations.create(metadata={f"k{i}": "v" for i in range(17)})
+    assert e.value.body["param"] == "metadata"
+    assert client.conversations.delete(conv.id).deleted
+    for call in (client.conversations.retrieve, client.conversations.delete, client.conversations.items.list,
+                 lambda c: client.responses.create(**more, conversation=c)):
+        with pytest.raises(openai.NotFoundError):
+            call(conv.id)
 
 
 def test_without_a_store_nothing_is_kept(server):
@@ -1185,6 +1243,9 @@ def test_without_a_store_nothing_is_kept(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.responses.retrieve(r.id)
     assert "stores no responses or chat completions" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.conversations.create()
+    assert "keeps no conversations" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
     assert "stores no responses" in e.value.body["message"] and e.value.body["param"] == "previous_response_id"

@@ -236,6 +236,35 @@ def test_the_store_keeps_the_newest_within_its_bounds_and_each_owners_own():
     asyncio.run(run())
 
 
+def test_the_conversation_store_keeps_each_owners_own_within_its_bounds():
+    from deployments.conversation_store import ConversationStore
+
+    import json
+
+    msg = [{"id": "m1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 100}]}]
+    size = len(json.dumps(msg[0]))
+    store = ConversationStore(max_conversations=2, max_bytes=3 * size)
+    a = store.create("a", msg, {"k": "v"})
+    assert a["object"] == "conversation" and store.get("a", a["id"]) == a and store.get("b", a["id"]) is None
+    assert store.items("a", a["id"]) == msg and store.items("b", a["id"]) is None
+    assert store.append("b", a["id"], msg) is None and store.update("b", a["id"], {}) is None
+    assert store.append("a", a["id"], [{**msg[0], "id": "m2"}]) == [{**msg[0], "id": "m2"}]
+    assert store.stats() == {"conversations": 1, "conversation_bytes": 2 * size}
+    assert store.append("a", a["id"], [{**msg[0], "id": "m3"}, {**msg[0], "id": "m4"}]) is None   # over the bound
+    assert store.delete_item("a", a["id"], "nope") == (store.get("a", a["id"]), False)
+    assert store.delete_item("a", a["id"], "m1")[1] and [i["id"] for i in store.items("a", a["id"])] == ["m2"]
+    assert store.stats()["conversation_bytes"] == size
+    b = store.create("a", msg, {})
+    store.get("a", a["id"])                                   # read: a is now the newest
+    c = store.create("a", [], {})                             # a third: the least recently used goes
+    assert store.get("a", b["id"]) is None and store.get("a", a["id"]) and store.get("a", c["id"])
+    assert store.append("a", c["id"], msg + [{**msg[0], "id": "m5"}, {**msg[0], "id": "m6"}])   # a goes, by bytes
+    assert store.get("a", a["id"]) is None and store.stats() == {"conversations": 1, "conversation_bytes": 3 * size}
+    assert store.create("a", msg * 4, {}) is None             # alone over the bound
+    assert not store.delete("b", c["id"]) and store.delete("a", c["id"]) and store.stats()["conversation_bytes"] == 0
+    assert store.update("a", c["id"], {"x": "y"}) is None and store.delete_item("a", c["id"], "m1") == (None, False)
+
+
 def test_a_background_response_whose_lease_lapses_reads_failed(monkeypatch):
     """A background response reads `in_progress` while its replica renews its lease;
     once the lease lapses (the replica went away) it reads failed, for good, and a later
@@ -306,7 +335,7 @@ def test_a_background_response_stops_when_its_stored_copy_is_cancelled(monkeypat
 
 
 def test_input_items_pages_as_openais_list():
-    from deployments.ingress import HTTPError, input_items_page
+    from deployments.http_error import HTTPError, items_page as input_items_page
 
     items = [{"id": f"i{n}"} for n in range(5)]
     page = input_items_page(items, {})
