@@ -4,14 +4,15 @@ restores the shipped grouping after its other arm; `prefix_sweep` gives each len
 of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
 still completes every request with the roomy run's tokens; `kv_sharing` computes a shared
 prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters;
-`hit_profile` hits the cache in its hit pass only; `shape_plans` counts the row grid."""
+`hit_profile` hits the cache in its hit pass only; `shape_plans` counts the row grid;
+`step_ops` counts each kind of step's primitives."""
 
 import json
 import os
 import sys
 
 from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep,
-                   process_cpu, shape_plans, step_profile, structured_output)
+                   process_cpu, shape_plans, step_ops, step_profile, structured_output)
 from runtime.attention import metadata
 
 
@@ -197,6 +198,17 @@ def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
     for r in out["rows"]:
         assert r["cached_tokens_p50"] == (64 if r["pass"] == "hit" else 0)   # four whole blocks
         assert r["ttft_steps_p50"] >= 2 and r["mixed"]["n"] >= 1 and r["decode"]["n"] >= 1
+
+
+def test_step_ops_counts_each_kind_of_step(tmp_path):
+    step_ops.main(["--prefix-len", "64", "--suffix-len", "8", "--streams", "2", "--repeats", "2",
+                   "--kv-cache-gb", "0.05", "--tag", "t", "--results-dir", str(tmp_path)])
+    rows = {r["step"]: r for r in json.loads((tmp_path / "step_ops_t.json").read_text())["rows"]}
+    hit = rows.pop("hit: suffix prefill beside the decodes")
+    assert set(rows) == {"decode (compiled)", "decode (eager)"} and hit["tokens"] == 8 + 2
+    for r in (hit, *rows.values()):
+        assert r["primitives"] == sum(r["by_type"].values()) > r["views"] > 0 and len(r["queue_ms"]) == 2
+    assert hit["primitives"] > rows["decode (eager)"]["primitives"] and hit["by_type"]["Matmul"] >= 4
 
 
 def test_shape_plans_counts_the_row_grid(tmp_path):
