@@ -244,8 +244,10 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
                  context_lens: mx.array, max_context: int, scale: float, block_size: int,
                  dialect: str = "cuda") -> mx.array:
-    """q: (B, H, D) -> (B, H, D)."""
-    b, h, d = q.shape
+    """q: (B, H, D), or (B, H, 1, D) as the model's layers hand it over -> the same shape.
+    The kernels index only its first two axes and its elements: the singleton axis
+    costs no squeeze before nor expand after, each a primitive MLX would queue per layer."""
+    b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     n_kv = k_pool.shape[1]
     if (why := unsupported(h, n_kv, d)) is not None:
         raise ValueError(f"paged_decode: {why}")
@@ -256,7 +258,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
     if splits == 1:
         final = _kernel(dialect, "paged_decode_attention_final", _INPUTS, ["out"], _ATTENTION_FINAL)
         return final(**call, template=template + [("T", q.dtype)],
-                     output_shapes=[(b, h, d)], output_dtypes=[q.dtype])[0]
+                     output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     acc, m, l = _kernel(dialect, "paged_decode_attention", _INPUTS, ["out_acc", "out_m", "out_l"],
                         _ATTENTION_PARTIAL)(
         **call, template=template,
@@ -269,7 +271,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
         template=[("T", q.dtype)],
         grid=(-(-total // MERGE_THREADS) * MERGE_THREADS, 1, 1),
         threadgroup=(MERGE_THREADS, 1, 1),
-        output_shapes=[(b, h, d)],
+        output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]
 
@@ -280,9 +282,8 @@ def attend_group(dialect: str, q: mx.array, k_pool: mx.array, v_pool: mx.array, 
     the rest (prefill chunks, attention sinks)."""
     if not g.single_query or sinks is not None:
         return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks)
-    out = paged_decode(q[:, :, 0, :], k_pool, v_pool, g.block_tables, g.context_lens,
-                       g.max_context_len, scale, block_size, dialect)
-    return out[:, :, None, :]
+    return paged_decode(q, k_pool, v_pool, g.block_tables, g.context_lens, g.max_context_len, scale,
+                        block_size, dialect)
 
 
 attend_cuda = partial(attend_group, "cuda")
