@@ -10,23 +10,11 @@ from pydantic import Field, field_validator
 from starlette.responses import JSONResponse
 
 from .http_error import HTTPError, items_page
-from .protocol import _Strict
+from .protocol import _Strict, metadata_checked
 from .response_store import StoreClient
 from .responses import InputItem, stored_items
 
 MAX_ITEMS_A_REQUEST = 20     # OpenAI's bound on the items one request adds
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-
-
-def _metadata(v: dict[str, str] | None) -> dict[str, str] | None:
-    if v is not None:
-        if len(v) > MAX_METADATA_PAIRS:
-            raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs")
-        for k, value in v.items():
-            if len(k) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
-                                 f"at most {MAX_METADATA_VALUE}")
-    return v
 
 
 class ConversationCreate(_Strict):
@@ -34,13 +22,13 @@ class ConversationCreate(_Strict):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None     # OpenAI's bookkeeping: accepted, unused
 
-    _check_metadata = field_validator("metadata")(_metadata)
+    _check_metadata = field_validator("metadata")(metadata_checked)
 
 
 class ConversationUpdate(_Strict):
     metadata: dict[str, str] | None
 
-    _check_metadata = field_validator("metadata")(_metadata)
+    _check_metadata = field_validator("metadata")(metadata_checked)
 
 
 class ItemsCreate(_Strict):

@@ -31,7 +31,7 @@ from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
-from . import conversations
+from . import conversations, stored_chat
 from .chat_output import ChoiceParser
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
@@ -52,8 +52,8 @@ log = logging.getLogger("ray.serve")
 # Prompts shorter than `INLINE_PROMPT_CHARS` cost less than the hop to a thread and back.
 TOKENIZE_THREADS = 4
 INLINE_PROMPT_CHARS = 256
-# OpenAI's routes to stored objects under an id: responses where the app keeps them
-# (response_store.py); chat completions are never stored.
+# OpenAI's routes to stored objects under an id: responses and chat completions, where the
+# app keeps them (response_store.py).
 STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
 BACKGROUND_POLL_S = 1.0   # how often a background response looks for a cancel made on another replica
 
@@ -279,11 +279,15 @@ class OpenAIIngress:
                 return await conversations.handle(self.store, self._owner(api_key),
                                                   path.removeprefix("/v1/conversations"), method,
                                                   request.query_params, partial(self._parsed, request))
+            if path.startswith("/v1/chat/completions/") or (path == "/v1/chat/completions" and method == "GET"):
+                if self.store is not None:
+                    return await stored_chat.handle(self.store, self._owner(api_key),
+                                                    path.removeprefix("/v1/chat/completions"), method,
+                                                    request.query_params, partial(self._parsed, request))
             if path.startswith(STORED_PATHS) or (path == "/v1/chat/completions" and method == "GET"):
-                what = "chat completions" if self.store is not None else "responses or chat completions"
-                raise HTTPError(404, f"this server stores no {what} (every request is as with store: false), "
-                                     "so none can be retrieved, listed, updated or deleted; send the whole "
-                                     "conversation with each request", code="not_found")
+                raise HTTPError(404, "this server stores no responses or chat completions (every request is "
+                                     "as with store: false), so none can be retrieved, listed, updated or "
+                                     "deleted; send the whole conversation with each request", code="not_found")
             if path == "/tokenize" and method == "POST":
                 return JSONResponse(await self.tokenize(await self._body(request, TokenizeRequest)))
             if path == "/detokenize" and method == "POST":
@@ -434,23 +438,40 @@ class OpenAIIngress:
             raise HTTPError(400, str(e), param="top_logprobs") from None
         ids, parser, t_sub, first, gen = await self._start_chat(body, api_key, k)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        whole = partial(self._chat_completion, rid, created, parser, k is not None)
+        keep = partial(self._keep_chat, body, self._owner(api_key)) if body.store and self.store else None
         if body.stream:
-            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids), parser),
+            return _sse(self._chat_events(rid, created, body, first, gen, t0, len(ids), parser, whole, keep),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)))
-        out = await self._drain(first, gen, t0)
+        completion = whole(await self._drain(first, gen, t0))
+        if keep is not None:
+            await keep(completion)
+        return JSONResponse(completion, headers=server_timing(request=t_sub - t0,
+                                                              generate=time.monotonic() - t_sub))
+
+    def _chat_completion(self, rid: str, created: int, parser, logprobs: bool, out) -> dict:
+        """The whole `chat.completion` of a request's final output."""
         choices = []
         for o in out.outputs:
             message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
             if parser:
                 message, reason = parser().message(o.text, o.finish_reason)
             choices.append({"index": o.index, "message": message,
-                            "logprobs": self._chat_logprobs(o.logprobs) if k is not None else None,
+                            "logprobs": self._chat_logprobs(o.logprobs) if logprobs else None,
                             "finish_reason": reason})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                             "model": self.model_name, "choices": choices,
-                             "usage": _Usage().add(out).body()},
-                            headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": _Usage().add(out).body()}
+
+    async def _keep_chat(self, body: ChatCompletionRequest, owner: str | None, completion: dict) -> None:
+        """Store a chat completion made with `store: true`, with its metadata and the
+        messages it answered; a store that fails costs the caller nothing (logged)."""
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            if not await self.store.chat("put", owner, {**completion, "metadata": body.metadata or {}}, messages):
+                log.warning("chat completion %s not stored: larger than response_store.max_bytes", completion["id"])
+        except Exception:
+            log.exception("could not store chat completion %s", completion["id"])
 
     async def _start_chat(self, body: ChatCompletionRequest, api_key: str | None, k: int | None,
                           ids: list[int] | None = None):
@@ -737,8 +758,10 @@ class OpenAIIngress:
             return None
         return lambda: ChoiceParser(split() if split else None, tools() if tools else None)
 
-    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int, parser=None):
-        """`parser`: makes a `ChoiceParser` per choice (`_choice_parser`)."""
+    def _chat_events(self, rid, created, body, first, gen, t0: float, num_prompt: int, parser=None,
+                     whole=None, keep=None):
+        """`parser`: makes a `ChoiceParser` per choice (`_choice_parser`); `keep`: stores
+        the whole completion (`whole` makes it of the final output) before the stream ends."""
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(body.n)]
@@ -752,14 +775,16 @@ class OpenAIIngress:
                     "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": reason}
 
-        return self._events(first, gen, body, base, opening, choice, t0, num_prompt)
+        on_last = None if keep is None else (lambda last: keep(whole(last)))
+        return self._events(first, gen, body, base, opening, choice, t0, num_prompt, on_last)
 
     async def _events(self, first, gen, body, base: dict, opening: list[dict], choice, t0: float,
-                      num_prompt: int):
+                      num_prompt: int, on_last=None):
         """The SSE chunks of either endpoint: the `opening` choices, then one chunk per
         completion with something new (`choice` shapes it), then usage if asked for,
         and with `continuous_usage_stats` the usage so far in every chunk. `t0`: when
-        the request arrived, where its latency metrics start."""
+        the request arrived, where its latency metrics start. `on_last` (a coroutine
+        function) gets the final output before the usage chunk."""
         timer = RequestTimer(self.metrics, t0)
         opts = body.stream_options
         usage_each = bool(opts and opts.include_usage and opts.continuous_usage_stats)
@@ -782,6 +807,8 @@ class OpenAIIngress:
                 if o.delta_text or o.delta_token_ids or o.finish_reason:
                     yield chunk([choice(o)], out)
         self._finish(timer, last)
+        if on_last is not None and last is not None:
+            await on_last(last)
         if opts and opts.include_usage:
             yield {**base, "choices": [], "usage": _Usage().add(last).body()}
 

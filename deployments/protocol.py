@@ -370,14 +370,32 @@ class _ChatTemplate(_Strict):
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def metadata_checked(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds on `metadata`: up to 16 pairs, keys of up to 64 characters and
+    values of up to 512."""
+    if v is not None:
+        if len(v) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs")
+        for k, value in v.items():
+            if len(k) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
+                                 f"at most {MAX_METADATA_VALUE}")
+    return v
+
+
 class Bookkeeping(_Strict):
     """OpenAI's bookkeeping fields of chat and Responses requests, which change nothing a
     model generates: accepted and left unused, so clients that always send them work.
-    A chat completion is never stored, whatever `store` says; a Responses request's
-    `store` decides whether its response is kept (responses.py)."""
+    `store` keeps a chat completion (OpenAI's default: not) or a response (its default:
+    kept) where the app has its store, with `metadata` (response_store.py)."""
 
     store: bool | None = None
     metadata: dict[str, str] | None = None
+
+    _check_metadata = field_validator("metadata")(metadata_checked)
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None   # the prefix cache keeps what memory allows

@@ -15,8 +15,9 @@ replaced) reads as failed from then on, rather than `in_progress` for ever.
 
 The app runs one `ResponseStore` replica that every ingress replica calls, so a chain
 may continue on any replica; `StoreClient` calls it through a Serve handle, or calls an
-instance in the same process directly. The replica holds the app's conversations too
-(conversation_store.py), within the same bounds.
+instance in the same process directly. The replica holds the app's conversations
+(conversation_store.py) and stored chat completions (chat_store.py) too, each within the
+same bounds.
 """
 
 import json
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from time import monotonic
 from typing import Any
 
+from .chat_store import ChatCompletionStore
 from .conversation_store import ConversationStore
 
 MAX_RESPONSES = 10_000
@@ -33,7 +35,10 @@ BACKGROUND_LEASE_S = 30.0
 RUNNING = ("queued", "in_progress")
 ORPHANED = {"code": "server_error",
             "message": "the server running this background response stopped before it finished"}
-CONVERSATION_METHODS = frozenset({"create", "get", "update", "delete", "items", "append", "delete_item"})
+# What the replica holds beside responses, and the methods a caller may reach (`part`).
+PARTS = {"conversations": (ConversationStore, {"create", "get", "update", "delete", "items", "append",
+                                               "delete_item"}),
+         "chat_completions": (ChatCompletionStore, {"put", "get", "listed", "update", "delete", "messages"})}
 
 
 @dataclass
@@ -62,7 +67,7 @@ class ResponseStore:
         self.background_lease_s = background_lease_s
         self._records: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
-        self._conversations = ConversationStore(max_responses, max_bytes)
+        self._parts = {name: cls(max_responses, max_bytes) for name, (cls, _) in PARTS.items()}
 
     # Coroutines without awaits: Serve runs them on the replica's event loop one at a
     # time, where plain methods could run on several threads at once.
@@ -124,14 +129,18 @@ class ResponseStore:
         self._put(owner, response, record.input_items, final=True)
         return True, response
 
-    async def conversation(self, method: str, *args):
-        """`ConversationStore.<method>(*args)`, on this replica's loop as the rest."""
-        if method not in CONVERSATION_METHODS:
-            raise ValueError(f"no conversation method {method!r}")
-        return getattr(self._conversations, method)(*args)
+    async def part(self, name: str, method: str, *args):
+        """`<method>(*args)` of the part `name` of `PARTS`, on this replica's loop as
+        the rest."""
+        if method not in PARTS[name][1]:
+            raise ValueError(f"no {name} method {method!r}")
+        return getattr(self._parts[name], method)(*args)
 
     async def stats(self) -> dict:
-        return {"responses": len(self._records), "bytes": self._bytes, **self._conversations.stats()}
+        stats = {"responses": len(self._records), "bytes": self._bytes}
+        for part in self._parts.values():
+            stats.update(part.stats())
+        return stats
 
     def _drop(self, response_id: str) -> None:
         record = self._records.pop(response_id, None)
@@ -167,4 +176,7 @@ class StoreClient:
         return await self._call("renew", owner, response_id)
 
     async def conversation(self, method: str, *args):
-        return await self._call("conversation", method, *args)
+        return await self._call("part", "conversations", method, *args)
+
+    async def chat(self, method: str, *args):
+        return await self._call("part", "chat_completions", method, *args)

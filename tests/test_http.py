@@ -1037,17 +1037,45 @@ def test_the_response_store_is_one_replica_both_apps_share():
             AppArgs(response_store=bad)
 
 
-def test_chat_completions_are_not_stored(client):
-    """The client's calls on stored chat completions reach routes this server does not
-    serve, since it stores none; the error says so."""
-    calls = (lambda: client.chat.completions.retrieve("chatcmpl-1"), lambda: client.chat.completions.list(),
-             lambda: client.chat.completions.update("chatcmpl-1", metadata={"a": "b"}),
-             lambda: client.chat.completions.delete("chatcmpl-1"))
-    for call in calls:
-        with pytest.raises(openai.NotFoundError) as e:
-            call()
-        assert "stores no chat completions" in e.value.body["message"]
-    assert client.models.list().data   # and the server serves on
+def test_chat_completions_made_with_store_are_kept(client):
+    """`store: true` keeps a chat completion, whole or streamed, with its metadata and the
+    messages it answered: read back as answered, listed by model and metadata (oldest
+    first, paged), given new metadata, its messages listed, deleted. Without `store`
+    (OpenAI's default) none is kept."""
+    tag = os.urandom(4).hex()   # this run's completions among the module's others
+    kw = dict(model=MODEL, temperature=0, max_completion_tokens=6,
+              messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    whole = client.chat.completions.create(**kw, store=True, metadata={"run": tag, "kind": "whole"})
+    chunks = list(client.chat.completions.create(**kw, store=True, metadata={"run": tag, "kind": "stream"},
+                                                 stream=True))
+    plain = client.chat.completions.create(**kw)
+    got = client.chat.completions.retrieve(whole.id)
+    assert got.choices[0].message.content == whole.choices[0].message.content and got.usage == whole.usage
+    assert got.model_dump()["metadata"] == {"run": tag, "kind": "whole"}
+    streamed = client.chat.completions.retrieve(chunks[0].id)
+    assert streamed.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in chunks
+                                                          if c.choices) == whole.choices[0].message.content
+    assert streamed.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert [c.id for c in client.chat.completions.list(metadata={"run": tag}, limit=1)] == [whole.id, streamed.id]
+    assert [c.id for c in client.chat.completions.list(metadata={"run": tag}, order="desc")] == [streamed.id, whole.id]
+    assert [c.id for c in client.chat.completions.list(metadata={"run": tag, "kind": "stream"})] == [streamed.id]
+    assert not client.chat.completions.list(metadata={"run": tag}, model="another").data
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.retrieve(plain.id)
+    said = list(client.chat.completions.messages.list(whole.id, limit=1))
+    assert [(m.role, m.content) for m in said] == [("system", "Be brief."), ("user", "Hello there")]
+    assert said[0].id != said[1].id
+    changed = client.chat.completions.update(whole.id, metadata={"run": tag, "kind": "changed"})
+    assert changed.model_dump()["metadata"]["kind"] == "changed" and changed.id == whole.id
+    assert [c.id for c in client.chat.completions.list(metadata={"kind": "changed", "run": tag})] == [whole.id]
+    assert client.chat.completions.delete(whole.id).deleted
+    for call in (client.chat.completions.retrieve, client.chat.completions.delete,
+                 client.chat.completions.messages.list):
+        with pytest.raises(openai.NotFoundError):
+            call(whole.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, store=True, metadata={f"k{i}": "v" for i in range(17)})
+    assert e.value.body["param"] == "metadata"
 
 
 def test_responses_continue_from_stored_ones(client):
@@ -1174,6 +1202,14 @@ def test_stored_responses_belong_to_their_api_key(server, secure):
     assert e.value.body["code"] == "previous_response_not_found"
     assert mine.responses.retrieve(r.id).id == r.id
     assert mine.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id).id
+    chat = mine.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                        max_completion_tokens=2, store=True, metadata={"owner": "mine"})
+    for call in (other.chat.completions.retrieve, other.chat.completions.delete,
+                 other.chat.completions.messages.list):
+        with pytest.raises(openai.NotFoundError):
+            call(chat.id)
+    assert not other.chat.completions.list(metadata={"owner": "mine"}).data
+    assert [c.id for c in mine.chat.completions.list(metadata={"owner": "mine"})][-1] == chat.id
     conv = mine.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
     for call in (other.conversations.retrieve, other.conversations.items.list, other.conversations.delete,
                  lambda c: other.conversations.items.create(c, items=[{"role": "user", "content": "x"}]),
@@ -1246,6 +1282,9 @@ def test_without_a_store_nothing_is_kept(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.conversations.create()
     assert "keeps no conversations" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.list()
+    assert "stores no responses or chat completions" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
     assert "stores no responses" in e.value.body["message"] and e.value.body["param"] == "previous_response_id"

@@ -265,6 +265,28 @@ def test_the_conversation_store_keeps_each_owners_own_within_its_bounds():
     assert store.update("a", c["id"], {"x": "y"}) is None and store.delete_item("a", c["id"], "m1") == (None, False)
 
 
+def test_the_chat_store_lists_each_owners_own_oldest_first_within_its_bounds():
+    from deployments.chat_store import ChatCompletionStore
+
+    def made(cid, model="m", **metadata):
+        return {"id": cid, "object": "chat.completion", "model": model, "choices": [], "metadata": metadata}
+
+    store = ChatCompletionStore(max_completions=3, max_bytes=10_000)
+    assert store.put("a", made("c1", run="x"), [{"role": "user", "content": "hi"}])
+    assert store.put("a", made("c2", "n", run="x"), []) and store.put("b", made("c3", run="x"), [])
+    assert [c["id"] for c in store.listed("a", None, {"run": "x"})] == ["c1", "c2"]
+    assert [c["id"] for c in store.listed("a", "n", {})] == ["c2"] and store.listed("a", None, {"run": "y"}) == []
+    assert store.messages("a", "c1") == [{"role": "user", "content": "hi", "id": "c1-0"}]
+    assert store.get("b", "c1") is None and store.update("b", "c1", {}) is None and not store.delete("b", "c1")
+    assert store.update("a", "c1", {"run": "y"})["metadata"] == {"run": "y"}
+    assert [c["id"] for c in store.listed("a", None, {"run": "y"})] == ["c1"]
+    assert store.put("a", made("c4"), [])                      # a fourth: the oldest goes
+    assert store.get("a", "c1") is None and store.stats()["chat_completions"] == 3
+    assert not store.put("a", made("big", note="x" * 512 * 20), [{"content": "y" * 10_000}])   # alone over
+    assert store.delete("a", "c2") and store.messages("a", "c2") is None
+    assert store.stats()["chat_completion_bytes"] == sum(k.size for k in store._kept.values())
+
+
 def test_a_background_response_whose_lease_lapses_reads_failed(monkeypatch):
     """A background response reads `in_progress` while its replica renews its lease;
     once the lease lapses (the replica went away) it reads failed, for good, and a later
