@@ -513,7 +513,8 @@ class OpenAIIngress:
             raise
 
     def _owner(self, api_key: str | None) -> str | None:
-        """Whose stored responses a request may read: its API key's tenant."""
+        """Whose stored responses, conversations and chat completions a request may reach:
+        its API key's tenant."""
         return tenant_salt(api_key) if api_key is not None else None
 
     async def _conversation(self, body: ResponsesRequest, owner: str | None) -> tuple[ResponsesRequest, list]:
