@@ -259,6 +259,8 @@ def test_additive_mask_attends_as_the_boolean_one(dtype):
     add = g.additive_mask(dtype)
     assert add is g.additive_mask(dtype) and add.dtype == dtype and add.shape == g.mask.shape
     assert mx.array_equal(add == 0, g.mask)
+    grouped = g.additive_mask(dtype, grouped=True)   # per KV head and query head, for the unfused way
+    assert grouped is g.additive_mask(dtype, grouped=True) and mx.array_equal(grouped[:, :, 0], add)
     rng = np.random.default_rng(0)
     q = mx.array(rng.standard_normal((2, 4, 16, 8)), dtype=dtype)
     k, v = (mx.array(rng.standard_normal((2, 2, 64, 8)), dtype=dtype) for _ in range(2))

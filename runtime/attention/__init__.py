@@ -129,14 +129,16 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: Atten
         if g.single_query:
             outs.append(attend(rows, k_pool, v_pool, g, scale, meta.block_size, sinks))
             continue
-        rows = rows[:, :, 0, :]                                   # (Tg, H, D)
-        qg = rows[None] if g.query_rows is None else rows[g.query_rows]   # (B, Lq, H, D)
+        # Reshapes rather than index-and-squeeze or expand: each is one primitive, and a
+        # host-bound step queues every primitive of every layer (bench/step_ops.py).
+        tg, h, _, d = rows.shape
+        if g.query_rows is None:
+            qg = rows.reshape(1, tg, h, d)                            # (1, Lq, H, D)
+        else:
+            qg = rows.reshape(tg, h, d)[g.query_rows]                 # (B, Lq, H, D)
         out = attend(qg.transpose(0, 2, 1, 3), k_pool, v_pool, g, scale, meta.block_size, sinks)
-        out = out.transpose(0, 2, 1, 3)
-        out = out.reshape(-1, *out.shape[2:])
-        if g.out_rows is not None:
-            out = out[g.out_rows]
-        outs.append(out[:, :, None, :])
+        out = out.transpose(0, 2, 1, 3).reshape(-1, h, 1, d)          # (B * Lq, H, 1, D)
+        outs.append(out if g.out_rows is None else out[g.out_rows])
     if meta.pad_rows:
         outs.append(mx.zeros((meta.pad_rows, *q.shape[1:]), q.dtype))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -72,20 +72,21 @@ def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetada
     """q: (B, H, Lq, D) -> (B, H, Lq, D)."""
     k = gather_kv(k_pool, g.block_tables, block_size)
     v = gather_kv(v_pool, g.block_tables, block_size)
-    mask = g.additive_mask(q.dtype)
     if g.unfused and sinks is None:
-        return attend_unfused(q, k, v, mask, scale)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        return attend_unfused(q, k, v, g.additive_mask(q.dtype, grouped=True), scale)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=g.additive_mask(q.dtype),
+                                                sinks=sinks)
 
 
 def attend_unfused(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
     """SDPA as two matmuls and a softmax (in float32), each query head's scores against
     its KV head's keys: no fused kernel, so on CUDA no attention plan for the shape.
-    q: (B, H, Lq, D), k and v: (B, Hkv, S, D), mask: additive (B, 1, Lq, S) -> (B, H, Lq, D)."""
+    q: (B, H, Lq, D), k and v: (B, Hkv, S, D), mask: additive (B, 1, 1, Lq, S) ->
+    (B, H, Lq, D)."""
     b, h, lq, d = q.shape
     n_kv = k.shape[1]
     qg = (q * scale).reshape(b, n_kv, (h // n_kv) * lq, d)
     scores = (qg @ k.swapaxes(-1, -2)).reshape(b, n_kv, h // n_kv, lq, -1)
-    scores = scores + mask[:, :, None]
+    scores = scores + mask
     p = mx.softmax(scores, axis=-1, precise=True).reshape(b, n_kv, (h // n_kv) * lq, -1)
     return (p @ v).reshape(b, h, lq, d)

@@ -87,15 +87,17 @@ class GroupMetadata:
     def single_query(self) -> bool:
         return self.query_pos.shape[1] == 1
 
-    def additive_mask(self, dtype: mx.Dtype) -> mx.array:
+    def additive_mask(self, dtype: mx.Dtype, grouped: bool = False) -> mx.array:
         """`mask` as 0 where a query may attend and `dtype`'s lowest value elsewhere,
-        made once for all layers. MLX's fused attention on CUDA ran 3-4x slower with the
-        boolean mask (H200, `bench/prefill_mask.py`: a prefill group of 8 prefix hits over
-        2k-token contexts, 0.88 vs 0.23 ms a layer; 8 whole 2k prompts, 20.8 vs 4.6 ms)."""
-        m = self._additive.get(dtype)
+        made once for all layers; `grouped`: shaped (B, 1, 1, Lq, S) for scores kept per
+        KV head and query head of its group (`gather.attend_unfused`). MLX's fused
+        attention on CUDA ran 3-4x slower with the boolean mask (H200,
+        `bench/prefill_mask.py`: a prefill group of 8 prefix hits over 2k-token contexts,
+        0.88 vs 0.23 ms a layer; 8 whole 2k prompts, 20.8 vs 4.6 ms)."""
+        m = self._additive.get((dtype, grouped))
         if m is None:
-            m = self._additive[dtype] = mx.where(self.mask, mx.array(0, dtype),
-                                                 mx.array(mx.finfo(dtype).min, dtype))
+            m = mx.where(self.mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+            self._additive[(dtype, grouped)] = m = m[:, :, None] if grouped else m
         return m
 
 
