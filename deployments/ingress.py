@@ -326,6 +326,11 @@ class OpenAIIngress:
             self.metrics.replicas.update(await asyncio.wait_for(self.llm.stats(), 5.0))
         except Exception:
             pass  # serve what we have
+        if self.store is not None:
+            try:
+                self.metrics.store.stats = await asyncio.wait_for(self.store.stats(), 5.0)
+            except Exception:
+                pass
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def _check_model(self, model: str) -> None:

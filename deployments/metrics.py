@@ -98,6 +98,33 @@ class _ReplicaStats:
         return h
 
 
+class _StoreStats:
+    """The app's store (response_store.py), as its replica last reported it on a scrape:
+    how many responses, conversations and chat completions it holds and their bytes.
+    Nothing is reported for an app without a store."""
+
+    GAUGES = {
+        "stored_responses": ("responses", "Responses the store holds."),
+        "stored_response_bytes": ("bytes", "Bytes of the stored responses' JSON."),
+        "stored_conversations": ("conversations", "Conversations the store holds."),
+        "stored_conversation_bytes": ("conversation_bytes", "Bytes of the conversations' items."),
+        "stored_chat_completions": ("chat_completions", "Chat completions the store holds."),
+        "stored_chat_completion_bytes": ("chat_completion_bytes", "Bytes of the stored chat completions."),
+    }
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict | None = None
+
+    def collect(self):
+        if self.stats is None:
+            return
+        for name, (key, doc) in self.GAUGES.items():
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], self.stats.get(key, 0))
+            yield g
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -125,6 +152,8 @@ class Metrics:
                               registry=self.registry)
         self.replicas = _ReplicaStats(model_name)
         self.registry.register(self.replicas)
+        self.store = _StoreStats(model_name)
+        self.registry.register(self.store)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

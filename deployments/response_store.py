@@ -180,3 +180,6 @@ class StoreClient:
 
     async def chat(self, method: str, *args):
         return await self._call("part", "chat_completions", method, *args)
+
+    async def stats(self) -> dict:
+        return await self._call("stats")

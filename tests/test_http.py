@@ -1037,7 +1037,7 @@ def test_the_response_store_is_one_replica_both_apps_share():
             AppArgs(response_store=bad)
 
 
-def test_chat_completions_made_with_store_are_kept(client):
+def test_chat_completions_made_with_store_are_kept(server, client, front):
     """`store: true` keeps a chat completion, whole or streamed, with its metadata and the
     messages it answered: read back as answered, listed by model and metadata (oldest
     first, paged), given new metadata, its messages listed, deleted. Without `store`
@@ -1068,6 +1068,7 @@ def test_chat_completions_made_with_store_are_kept(client):
     changed = client.chat.completions.update(whole.id, metadata={"run": tag, "kind": "changed"})
     assert changed.model_dump()["metadata"]["kind"] == "changed" and changed.id == whole.id
     assert [c.id for c in client.chat.completions.list(metadata={"kind": "changed", "run": tag})] == [whole.id]
+    assert metric(httpx.get(server.urls[front] + "/metrics", timeout=30).text, "stored_chat_completions") >= 2
     assert client.chat.completions.delete(whole.id).deleted
     for call in (client.chat.completions.retrieve, client.chat.completions.delete,
                  client.chat.completions.messages.list):
@@ -1219,11 +1220,12 @@ def test_stored_responses_belong_to_their_api_key(server, secure):
     assert len(mine.conversations.items.list(conv.id).data) == 1
 
 
-def test_conversations_hold_the_turns_responses_add(client):
+def test_conversations_hold_the_turns_responses_add(server, client, front):
     """A conversation's items come before a response's input when the response names it,
     as if sent whole (the same text and input tokens), plain and streamed; the response
     adds its input and output to it. Its items are listed, added, read and deleted by
-    hand, its metadata updated; deleted, it is a 404 everywhere."""
+    hand, its metadata updated; deleted, it is a 404 everywhere. `/metrics` counts what
+    the store holds."""
     conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello there"}],
                                        metadata={"topic": "greeting"})
     assert conv.object == "conversation" and conv.metadata == {"topic": "greeting"}
@@ -1256,6 +1258,9 @@ def test_conversations_hold_the_turns_responses_add(client):
         client.conversations.items.retrieve(added[0].id, conversation_id=conv.id)
     assert len(client.conversations.items.list(conv.id).data) == 5
     assert client.conversations.update(conv.id, metadata={"topic": "farewell"}).metadata == {"topic": "farewell"}
+    text = httpx.get(server.urls[front] + "/metrics", timeout=30).text
+    assert metric(text, "stored_conversations") >= 1 and metric(text, "stored_conversation_bytes") > 0
+    assert metric(text, "stored_responses") >= 2 and metric(text, "stored_response_bytes") > 0
 
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**more, conversation=conv.id, previous_response_id=r.id)
@@ -1285,6 +1290,7 @@ def test_without_a_store_nothing_is_kept(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.list()
     assert "stores no responses or chat completions" in e.value.body["message"]
+    assert metric(httpx.get(server.urls["mistral"] + "/metrics", timeout=30).text, "stored_responses") is None
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
     assert "stores no responses" in e.value.body["message"] and e.value.body["param"] == "previous_response_id"
