@@ -13,8 +13,9 @@ its event loop (`ResponseStore.part`).
 """
 
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from .sized_records import SizedRecords
 
 
 @dataclass
@@ -27,9 +28,8 @@ class StoredCompletion:
 
 class ChatCompletionStore:
     def __init__(self, max_completions: int, max_bytes: int):
-        self.max_completions, self.max_bytes = max_completions, max_bytes
-        self._kept: OrderedDict[str, StoredCompletion] = OrderedDict()
-        self._bytes = 0
+        # In the order they were made: the list reads them oldest first.
+        self.records: SizedRecords[StoredCompletion] = SizedRecords(max_completions, max_bytes, touch=False)
 
     def put(self, owner: str | None, completion: dict, messages: list[dict]) -> bool:
         """Keep a completion (with `metadata` in it) and its request's messages; False
@@ -37,51 +37,35 @@ class ChatCompletionStore:
         cid = completion["id"]
         messages = [{**m, "id": f"{cid}-{i}"} for i, m in enumerate(messages)]
         size = len(json.dumps(completion)) + len(json.dumps(messages))
-        if size > self.max_bytes:
-            return False
-        self._drop(cid)
-        self._kept[cid] = StoredCompletion(owner, completion, messages, size)
-        self._bytes += size
-        while len(self._kept) > self.max_completions or self._bytes > self.max_bytes:
-            self._drop(next(iter(self._kept)))
-        return True
+        return self.records.put(cid, StoredCompletion(owner, completion, messages, size))
 
     def get(self, owner: str | None, cid: str) -> dict | None:
-        kept = self._find(owner, cid)
+        kept = self.records.find(owner, cid)
         return None if kept is None else kept.completion
 
     def listed(self, owner: str | None, model: str | None, metadata: dict[str, str]) -> list[dict]:
         """This owner's completions, oldest first, of `model` (if given) and carrying
         every pair of `metadata`."""
-        return [k.completion for k in self._kept.values()
+        return [k.completion for k in self.records.values()
                 if k.owner == owner and (model is None or k.completion["model"] == model)
                 and all(k.completion["metadata"].get(key) == value for key, value in metadata.items())]
 
     def update(self, owner: str | None, cid: str, metadata: dict) -> dict | None:
-        kept = self._find(owner, cid)
+        kept = self.records.find(owner, cid)
         if kept is None:
             return None
         kept.completion = {**kept.completion, "metadata": metadata}
         return kept.completion
 
     def delete(self, owner: str | None, cid: str) -> bool:
-        if self._find(owner, cid) is None:
+        if self.records.find(owner, cid) is None:
             return False
-        self._drop(cid)
+        self.records.drop(cid)
         return True
 
     def messages(self, owner: str | None, cid: str) -> list[dict] | None:
-        kept = self._find(owner, cid)
+        kept = self.records.find(owner, cid)
         return None if kept is None else kept.messages
 
     def stats(self) -> dict:
-        return {"chat_completions": len(self._kept), "chat_completion_bytes": self._bytes}
-
-    def _find(self, owner: str | None, cid: str) -> StoredCompletion | None:
-        kept = self._kept.get(cid)
-        return None if kept is None or kept.owner != owner else kept
-
-    def _drop(self, cid: str) -> None:
-        kept = self._kept.pop(cid, None)
-        if kept is not None:
-            self._bytes -= kept.size
+        return {"chat_completions": len(self.records), "chat_completion_bytes": self.records.nbytes}

@@ -21,13 +21,13 @@ same bounds.
 """
 
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
 from time import monotonic
 from typing import Any
 
 from .chat_store import ChatCompletionStore
 from .conversation_store import ConversationStore
+from .sized_records import SizedRecords
 
 MAX_RESPONSES = 10_000
 MAX_BYTES = 256 << 20
@@ -63,10 +63,8 @@ class ResponseStore:
             raise ValueError("max_responses and max_bytes must be at least 1")
         if background_lease_s <= 0:
             raise ValueError("background_lease_s must be positive")
-        self.max_responses, self.max_bytes = max_responses, max_bytes
         self.background_lease_s = background_lease_s
-        self._records: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
+        self._records: SizedRecords[StoredResponse] = SizedRecords(max_responses, max_bytes, touch=True)
         self._parts = {name: cls(max_responses, max_bytes) for name, (cls, _) in PARTS.items()}
 
     # Coroutines without awaits: Serve runs them on the replica's event loop one at a
@@ -79,28 +77,23 @@ class ResponseStore:
 
     def _put(self, owner: str | None, response: dict, input_items: list, final: bool = False) -> bool:
         size = len(json.dumps(response)) + len(json.dumps(input_items))
-        if size > self.max_bytes:
+        if size > self._records.max_bytes:
             return False
-        kept = self._records.get(response["id"])
+        kept = self._records.peek(response["id"])
         if kept is not None and kept.final:
             return True
-        self._drop(response["id"])
-        self._records[response["id"]] = StoredResponse(owner, response, input_items, size, monotonic(), final)
-        self._bytes += size
-        while len(self._records) > self.max_responses or self._bytes > self.max_bytes:
-            self._drop(next(iter(self._records)))
-        return True
+        return self._records.put(response["id"],
+                                 StoredResponse(owner, response, input_items, size, monotonic(), final))
 
     async def get(self, owner: str | None, response_id: str) -> StoredResponse | None:
-        record = self._records.get(response_id)
-        if record is None or record.owner != owner:
+        record = self._records.find(owner, response_id)   # a chain in use is the last to go
+        if record is None:
             return None
-        self._records.move_to_end(response_id)   # a chain in use is the last to go
         if (record.response.get("status") in RUNNING
                 and monotonic() - record.renewed > self.background_lease_s):
             self._put(owner, {**record.response, "status": "failed", "error": ORPHANED}, record.input_items,
                       final=True)
-            record = self._records[response_id]
+            record = self._records.peek(response_id)
         return record
 
     async def renew(self, owner: str | None, response_id: str) -> StoredResponse | None:
@@ -114,7 +107,7 @@ class ResponseStore:
     async def delete(self, owner: str | None, response_id: str) -> bool:
         if await self.get(owner, response_id) is None:
             return False
-        self._drop(response_id)
+        self._records.drop(response_id)
         return True
 
     async def cancel(self, owner: str | None, response_id: str) -> tuple[bool, dict] | None:
@@ -137,15 +130,10 @@ class ResponseStore:
         return getattr(self._parts[name], method)(*args)
 
     async def stats(self) -> dict:
-        stats = {"responses": len(self._records), "bytes": self._bytes}
+        stats = {"responses": len(self._records), "bytes": self._records.nbytes}
         for part in self._parts.values():
             stats.update(part.stats())
         return stats
-
-    def _drop(self, response_id: str) -> None:
-        record = self._records.pop(response_id, None)
-        if record is not None:
-            self._bytes -= record.size
 
 
 class StoreClient:

@@ -284,7 +284,7 @@ def test_the_chat_store_lists_each_owners_own_oldest_first_within_its_bounds():
     assert store.get("a", "c1") is None and store.stats()["chat_completions"] == 3
     assert not store.put("a", made("big", note="x" * 512 * 20), [{"content": "y" * 10_000}])   # alone over
     assert store.delete("a", "c2") and store.messages("a", "c2") is None
-    assert store.stats()["chat_completion_bytes"] == sum(k.size for k in store._kept.values())
+    assert store.stats()["chat_completion_bytes"] == sum(k.size for k in store.records.values())
 
 
 def test_a_background_response_whose_lease_lapses_reads_failed(monkeypatch):
@@ -345,7 +345,7 @@ def test_a_background_response_stops_when_its_stored_copy_is_cancelled(monkeypat
             await asyncio.sleep(0.05)
             assert not running.done()
             if stop == "lapse":
-                ingress.store._store._records[stop].renewed -= 3600
+                ingress.store._store._records.peek(stop).renewed -= 3600
             else:
                 await getattr(ingress.store, stop)(None, stop)
             await asyncio.wait_for(watcher, 2)
