@@ -6,11 +6,11 @@ the Responses API's `conversation` reads and extends them (ingress.py).
 
 from typing import Awaitable, Callable
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from starlette.responses import JSONResponse
 
 from .http_error import HTTPError, items_page
-from .protocol import _Strict, metadata_checked
+from .protocol import Metadata, _Strict
 from .response_store import StoreClient
 from .responses import InputItem, stored_items
 
@@ -19,16 +19,12 @@ MAX_ITEMS_A_REQUEST = 20     # OpenAI's bound on the items one request adds
 
 class ConversationCreate(_Strict):
     items: list[InputItem] | None = Field(default=None, max_length=MAX_ITEMS_A_REQUEST)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     safety_identifier: str | None = None     # OpenAI's bookkeeping: accepted, unused
-
-    _check_metadata = field_validator("metadata")(metadata_checked)
 
 
 class ConversationUpdate(_Strict):
-    metadata: dict[str, str] | None
-
-    _check_metadata = field_validator("metadata")(metadata_checked)
+    metadata: Metadata | None
 
 
 class ItemsCreate(_Strict):

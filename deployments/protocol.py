@@ -2,9 +2,9 @@
 translation to the engine's `SamplingParams`."""
 
 import json
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from runtime.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_SEQUENCES, SamplingParams
 from runtime.structured_output import StructuredOutputsParams
@@ -373,17 +373,19 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-def metadata_checked(v: dict[str, str] | None) -> dict[str, str] | None:
+def metadata_checked(v: dict[str, str]) -> dict[str, str]:
     """OpenAI's bounds on `metadata`: up to 16 pairs, keys of up to 64 characters and
     values of up to 512."""
-    if v is not None:
-        if len(v) > MAX_METADATA_PAIRS:
-            raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs")
-        for k, value in v.items():
-            if len(k) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
-                                 f"at most {MAX_METADATA_VALUE}")
+    if len(v) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs")
+    for k, value in v.items():
+        if len(k) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
+                             f"at most {MAX_METADATA_VALUE}")
     return v
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(metadata_checked)]
 
 
 class Bookkeeping(_Strict):
@@ -393,9 +395,7 @@ class Bookkeeping(_Strict):
     kept) where the app has its store, with `metadata` (response_store.py)."""
 
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-
-    _check_metadata = field_validator("metadata")(metadata_checked)
+    metadata: Metadata | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None   # the prefix cache keeps what memory allows

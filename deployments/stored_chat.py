@@ -6,18 +6,15 @@ the messages it answered (`/messages`).
 
 from typing import Awaitable, Callable
 
-from pydantic import field_validator
 from starlette.responses import JSONResponse
 
 from .http_error import HTTPError, items_page
-from .protocol import _Strict, metadata_checked
+from .protocol import Metadata, _Strict
 from .response_store import StoreClient
 
 
 class CompletionUpdate(_Strict):
-    metadata: dict[str, str] | None
-
-    _check_metadata = field_validator("metadata")(metadata_checked)
+    metadata: Metadata | None
 
 
 def _missing(cid: str) -> HTTPError:
