@@ -472,11 +472,8 @@ class OpenAIIngress:
         """Store a chat completion made with `store: true`, with its metadata and the
         messages it answered; a store that fails costs the caller nothing (logged)."""
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            if not await self.store.chat("put", owner, {**completion, "metadata": body.metadata or {}}, messages):
-                log.warning("chat completion %s not stored: larger than response_store.max_bytes", completion["id"])
-        except Exception:
-            log.exception("could not store chat completion %s", completion["id"])
+        await _quietly(self.store.chat("put", owner, {**completion, "metadata": body.metadata or {}}, messages),
+                       f"chat completion {completion['id']}")
 
     async def _start_chat(self, body: ChatCompletionRequest, api_key: str | None, k: int | None,
                           ids: list[int] | None = None):
@@ -551,19 +548,10 @@ class OpenAIIngress:
         to its conversation once it ended well; a store that fails costs the caller
         nothing but the chain (logged)."""
         if (conv_id := body.conversation_id) is not None and response["status"] in ("completed", "incomplete"):
-            try:
-                if await self.store.conversation("append", owner, conv_id, own + response["output"]) is None:
-                    log.warning("conversation %s not extended: gone, or larger than response_store.max_bytes",
-                                conv_id)
-            except Exception:
-                log.exception("could not extend conversation %s", conv_id)
-        if self.store is None or not body.stored:
-            return
-        try:
-            if not await self.store.put(owner, response, body.input_items()):
-                log.warning("response %s not stored: larger than response_store.max_bytes", response["id"])
-        except Exception:
-            log.exception("could not store response %s", response["id"])
+            await _quietly(self.store.conversation("append", owner, conv_id, own + response["output"]),
+                           f"the turn of conversation {conv_id}")
+        if self.store is not None and body.stored:
+            await _quietly(self.store.put(owner, response, body.input_items()), f"response {response['id']}")
 
     async def stored_response(self, rest: str, method: str, query, api_key: str | None) -> Response:
         """`GET` and `DELETE /v1/responses/{id}`, `GET .../input_items` (paged as OpenAI's
@@ -937,6 +925,17 @@ def engine_timing(out) -> dict[str, float]:
     beyond them."""
     m = getattr(out, "metrics", None)
     return m.ttft_parts() if m is not None else {}
+
+
+async def _quietly(call, what: str) -> None:
+    """Await a store call that costs its caller nothing if it fails but what it keeps:
+    a refusal (too large for `response_store.max_bytes`, or its conversation gone) and
+    an error are logged."""
+    try:
+        if not await call:
+            log.warning("%s not stored: refused (larger than response_store.max_bytes, or gone)", what)
+    except Exception:
+        log.exception("could not store %s", what)
 
 
 def server_timing(**seconds: float) -> dict[str, str]:
