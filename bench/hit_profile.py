@@ -105,19 +105,24 @@ def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: l
     return row
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The prefix workload's arguments, shared with loop_profile.py."""
     ap.add_argument("--model", default="default")
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
     ap.add_argument("--num-prefixes", type=int, default=4)
-    ap.add_argument("--jitter", type=float, default=0.0,
-                    help="suffix lengths uniform within this share of --suffix-len either side")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--requests", type=int, default=64, help="requests finished per pass")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_args(ap)
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="suffix lengths uniform within this share of --suffix-len either side")
     ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--pad-rows", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="a step's rows padded to a grid (auto: where matmuls plan per shape, CUDA); "

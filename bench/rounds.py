@@ -85,6 +85,12 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
                 v = name.removeprefix("ours-")
                 s[f"{v}_ttft_p50_change_s"] = paired(rows, p, name, "ours", "ttft_p50_s", lambda a, b: a - b)
                 s[f"{v}_throughput_ratio"] = paired(rows, p, name, "ours", "output_tok_s", lambda a, b: a / b)
+            if compare.app_variant(name) is not None and "ours-bare-engine" in systems:
+                v = name.removeprefix("ours-")
+                s[f"{v}_serve_throughput_cost"] = paired(rows, p, name, "ours-bare-engine", "output_tok_s",
+                                                         lambda a, b: 1 - a / b)
+                s[f"{v}_serve_ttft_p50_added_s"] = paired(rows, p, name, "ours-bare-engine", "ttft_p50_s",
+                                                          lambda a, b: a - b)
         for name in systems:   # where our TTFT goes: in the replica (request, first_token), outside it
             split = [x["ttft_split_p50_s"] for x in ok if x["point"] == p and x["system"] == name
                      and x.get("ttft_split_p50_s")]

@@ -18,8 +18,12 @@ class StepClock:
     """Wraps the engine's step parts in timers (instance attributes over the methods)
     and files each step's times under the kind of batch it built."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, time_loop: bool = False):
+        """`time_loop`: the steps the engine's own loop makes (`EngineLoop` calls
+        `engine.step`) are timed too, with the loop's time between them ("between")."""
         self.engine = engine
+        self._step = engine.step
+        self._ended: float | None = None
         self.cur = dict.fromkeys(PARTS, 0.0)
         self.kind = "idle"
         self.steps: dict[str, list[dict]] = defaultdict(list)
@@ -32,6 +36,9 @@ class StepClock:
         runner.wait = self._timed(runner.wait, "wait")
         runner.collect = self._timed(runner.collect, "wait")
         engine._process = self._timed(engine._process, "process")
+        if time_loop:
+            engine.step = self.step
+            self._orig.append((engine, "step"))
 
     def _classify(self, out):
         self.kind = "idle" if not out else (
@@ -50,9 +57,11 @@ class StepClock:
     def step(self):
         self.cur = dict.fromkeys(PARTS, 0.0)
         t = time.perf_counter()
-        outs = self.engine.step()
+        outs = self._step()
         row = {k: v * 1e3 for k, v in self.cur.items()}
         row["wall"] = (time.perf_counter() - t) * 1e3
+        row["between"] = 0.0 if self._ended is None else (t - self._ended) * 1e3
+        self._ended = time.perf_counter()
         self.steps[self.kind].append(row)
         return outs
 

@@ -4,15 +4,16 @@ restores the shipped grouping after its other arm; `prefix_sweep` gives each len
 of its own and hits the cache only with it on; `kv_budget` preempts on small pools and
 still completes every request with the roomy run's tokens; `kv_sharing` computes a shared
 prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters;
-`hit_profile` hits the cache in its hit pass only; `shape_plans` counts the row grid;
-`step_ops` counts each kind of step's primitives."""
+`hit_profile` hits the cache in its hit pass only; `loop_profile` times hits through each
+driver; `shape_plans` counts the row grid; `step_ops` counts each kind of step's
+primitives."""
 
 import json
 import os
 import sys
 
-from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, mixed_prefill, prefill_stall, prefix_sweep,
-                   process_cpu, shape_plans, step_ops, step_profile, structured_output)
+from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, loop_profile, mixed_prefill, prefill_stall,
+                   prefix_sweep, process_cpu, shape_plans, step_ops, step_profile, structured_output)
 from runtime.attention import metadata
 
 
@@ -198,6 +199,20 @@ def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
     for r in out["rows"]:
         assert r["cached_tokens_p50"] == (64 if r["pass"] == "hit" else 0)   # four whole blocks
         assert r["ttft_steps_p50"] >= 2 and r["mixed"]["n"] >= 1 and r["decode"]["n"] >= 1
+
+
+def test_loop_profile_times_hits_through_each_driver(tmp_path):
+    loop_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--streams", "2", "--requests", "4",
+                       "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t", "--results-dir", str(tmp_path)])
+    rows = {r["driver"]: r for r in json.loads((tmp_path / "loop_profile_t.json").read_text())["rows"]}
+    assert set(rows) == {"step", "thread", "process"}
+    assert all(r["requests"] >= 1 and r["ttft_p50_ms"] > 0 for r in rows.values())
+    for d in ("thread", "process"):   # the parts a server sees, from both sides of the loop
+        assert rows[d]["requests"] >= 4
+        assert {"to_engine", "engine_queue", "engine_prefill"} <= set(rows[d]["parts_p50_ms"])
+    assert "parts_p50_ms" not in rows["step"]
+    mixed = rows["thread"]["mixed"]   # the loop's own steps, timed where it makes them
+    assert mixed["n"] >= 4 and mixed["wall"] > 0 and mixed["between"] >= 0
 
 
 def test_step_ops_counts_each_kind_of_step(tmp_path):
