@@ -35,7 +35,7 @@ from . import conversations, stored_chat
 from .chat_output import ChoiceParser
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
-from .response_store import StoreClient
+from .response_store import RUNNING, StoreClient
 from .responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
                         whole_response)
 from .responses import usage as response_usage
@@ -683,15 +683,15 @@ class OpenAIIngress:
 
     async def _watch_cancel(self, owner: str | None, rid: str, task: asyncio.Task) -> None:
         """Renew the stored response's lease while `task` runs it (`ResponseStore.renew`);
-        cancel `task` once the response reads cancelled (or failed: the lease lapsed) or
-        is gone."""
+        cancel `task` once the response no longer reads running (cancelled, or failed when
+        its lease lapsed) or is gone."""
         while True:
             await asyncio.sleep(BACKGROUND_POLL_S)
             try:
                 record = await self.store.renew(owner, rid)
             except Exception:   # the store is being replaced: ask again next time
                 continue
-            if record is None or record.response["status"] in ("cancelled", "failed"):
+            if record is None or record.response["status"] not in RUNNING:
                 task.cancel()
                 return
 
