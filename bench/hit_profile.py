@@ -111,6 +111,8 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
     ap.add_argument("--num-prefixes", type=int, default=4)
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="suffix lengths uniform within this share of --suffix-len either side")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--requests", type=int, default=64, help="requests finished per pass")
@@ -121,8 +123,6 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_args(ap)
-    ap.add_argument("--jitter", type=float, default=0.0,
-                    help="suffix lengths uniform within this share of --suffix-len either side")
     ap.add_argument("--compile-decode", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--pad-rows", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="a step's rows padded to a grid (auto: where matmuls plan per shape, CUDA); "

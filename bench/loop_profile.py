@@ -54,13 +54,19 @@ def prefixes_for(vocab: int, args) -> list[list[int]]:
 async def drive(eng: AsyncEngine, args, prefixes: list[list[int]], requests: int) -> list[tuple[float, dict]]:
     """`requests` hits after a staggered first wave; each (TTFT s, its parts)."""
     rng = random.Random(1)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, output_kind="delta")
+    # --ban-eos: EOS kept out through `logit_bias`, as serve_bench asks every server.
+    bias = {t: -100.0 for t in eng.tokenizer.eos_token_ids} if args.ban_eos else {}
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=not bias, logit_bias=bias,
+                            output_kind="delta")
     pace = {"stream_interval_s": args.stream_interval_ms / 1e3, "max_chunks_per_s": args.max_chunks_per_s}
     ids, rows = itertools.count(), []
 
     async def one(max_tokens: int) -> tuple[float, dict]:
         i = next(ids)
-        prompt = prefixes[i % len(prefixes)] + [rng.randrange(3, eng.vocab_size) for _ in range(args.suffix_len)]
+        n = args.suffix_len
+        if args.jitter:
+            n = rng.randint(round(n * (1 - args.jitter)), round(n * (1 + args.jitter)))
+        prompt = prefixes[i % len(prefixes)] + [rng.randrange(3, eng.vocab_size) for _ in range(n)]
         t0, first, parts = time.perf_counter(), None, {}
         async for out in eng.generate(None, replace(params, max_tokens=max_tokens), f"hit-{i}",
                                       prompt_token_ids=prompt, **pace):
@@ -130,10 +136,12 @@ def main(argv=None):
                     default=["step", "thread", "process"])
     ap.add_argument("--stream-interval-ms", type=float, default=50.0, help="the app's default pacing")
     ap.add_argument("--max-chunks-per-s", type=float, default=1000.0, help="the app's default cap")
+    ap.add_argument("--ban-eos", action="store_true",
+                    help="through AsyncEngine, EOS banned by logit_bias (as the HTTP benchmarks do) "
+                         "instead of ignore_eos")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
-    args.jitter = 0.0   # run_pass's fields
     rows = []
     for d in args.driver:
         rows.append(stepped(args) if d == "step" else through_loop(args, d == "process"))

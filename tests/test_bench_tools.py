@@ -202,8 +202,9 @@ def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
 
 
 def test_loop_profile_times_hits_through_each_driver(tmp_path):
-    loop_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--streams", "2", "--requests", "4",
-                       "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t", "--results-dir", str(tmp_path)])
+    loop_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--jitter", "0.5", "--ban-eos", "--streams", "2",
+                       "--requests", "4", "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t",
+                       "--results-dir", str(tmp_path)])
     rows = {r["driver"]: r for r in json.loads((tmp_path / "loop_profile_t.json").read_text())["rows"]}
     assert set(rows) == {"step", "thread", "process"}
     assert all(r["requests"] >= 1 and r["ttft_p50_ms"] > 0 for r in rows.values())
