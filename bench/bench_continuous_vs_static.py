@@ -51,10 +51,15 @@ def portable_args(args: dict) -> dict:
 
 
 def run_meta(args) -> dict:
-    """What a result file records of the run: model, device, platform, MLX and the
-    arguments (`portable_args`)."""
-    return {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
+    """What a result file records of the run: model, device, platform, MLX, the
+    arguments (`portable_args`) and the `MLX_*` settings MLX read from the environment
+    (graph sizes, caches: runs that set them are not comparable with runs that did not)."""
+    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
             "mlx": mx.__version__, "args": portable_args(vars(args))}
+    mlx_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
+    if mlx_env:
+        meta["mlx_env"] = mlx_env
+    return meta
 
 
 def write_result(results_dir: str, name: str, out) -> Path:

@@ -201,6 +201,18 @@ def test_hit_profile_hits_only_in_its_hit_pass(tmp_path):
         assert r["ttft_steps_p50"] >= 2 and r["mixed"]["n"] >= 1 and r["decode"]["n"] >= 1
 
 
+def test_run_meta_records_the_mlx_settings_of_the_environment(monkeypatch):
+    from argparse import Namespace
+
+    from bench.bench_continuous_vs_static import run_meta
+    for k in [k for k in os.environ if k.startswith("MLX_")]:
+        monkeypatch.delenv(k)
+    args = Namespace(model="m", results_dir="/somewhere")
+    assert "mlx_env" not in run_meta(args) and "results_dir" not in run_meta(args)["args"]
+    monkeypatch.setenv("MLX_PROBE_SETTING", "7")
+    assert run_meta(args)["mlx_env"] == {"MLX_PROBE_SETTING": "7"}
+
+
 def test_loop_profile_times_hits_through_each_driver(tmp_path):
     loop_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--jitter", "0.5", "--ban-eos", "--streams", "2",
                        "--requests", "4", "--output-len", "4", "--kv-cache-gb", "0.05", "--tag", "t",
