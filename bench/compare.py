@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from bench import serve_bench as sb  # noqa: E402
-from bench.bench_continuous_vs_static import portable_args, resolve_model  # noqa: E402
+from bench.bench_continuous_vs_static import portable_args, resolve_model, run_meta  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -743,8 +743,7 @@ def main(argv=None):
     if rate is None and mlx_lm_sweep(rows):
         rate = poisson_rate(rows, args.output_len)[0]
     host = {}
-    meta = {"model": args.model, "device": str(mx.default_device()), "platform": platform.platform(),
-            "mlx": mx.__version__, "args": _portable(vars(args)), "skipped": skipped,
+    meta = {**run_meta(args), "args": _portable(vars(args)), "skipped": skipped,
             "poisson_rate_req_s": rate, "host": host}
 
     def keep(row: dict) -> None:

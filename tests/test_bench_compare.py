@@ -182,6 +182,21 @@ def test_rounds_compare_the_grpc_transport_within_rounds_and_split_ttft():
     assert s["ours-grpc_ttft_split_p50_s"]["outside"] == 0.008
 
 
+def test_rounds_cost_an_app_variant_against_the_bare_engine():
+    from bench import rounds
+
+    def row(r, system, ttft, tok_s):
+        return {"round": r, "point": "16 streams", "system": system, "ttft_p50_s": ttft, "tpot_p50_s": 0.01,
+                "output_tok_s": tok_s, "failed": 0}
+    rows = [row(0, "ours-haproxy", 0.15, 96.0), row(0, "ours-bare-engine", 0.10, 100.0),
+            row(1, "ours-haproxy", 0.32, 40.0), row(1, "ours-bare-engine", 0.30, 50.0),
+            row(2, "ours-haproxy", 0.12, 99.0), row(2, "ours-bare-engine", 0.11, 100.0)]
+    s = rounds.summarize(rows, ["ours-haproxy", "ours-bare-engine"])["16 streams"]
+    assert abs(s["haproxy_serve_throughput_cost"] - 0.04) < 1e-9    # median of 4, 20 and 1 %
+    assert abs(s["haproxy_serve_ttft_p50_added_s"] - 0.02) < 1e-9   # median of 50, 20 and 10 ms
+    assert "serve_throughput_cost" not in s and "haproxy_throughput_ratio" not in s   # no "ours" to compare
+
+
 def test_workloads_can_share_lengths_and_differ_in_text():
     """rounds.py gives every system of a round its own text at the same lengths."""
     import random
