@@ -14,7 +14,12 @@ workload, hits only) through each `--driver`:
 Per driver: TTFT p50 from the caller's side (`add_request`, or `generate()` called,
 until the first token is in hand) and, through `AsyncEngine`, its parts
 (`RequestMetrics.ttft_parts`). With `thread` the loop's steps are timed as in
-hit_profile, and so is the loop's own time between them ("between").
+hit_profile, and so is the loop's own time between them ("between"), with the
+sequences with prompt tokens each step carried ("prefills").
+
+What the HTTP benchmarks' requests do differently can be asked for: `--ban-eos` (EOS
+kept out through `logit_bias` rather than `ignore_eos`), `--jitter` (ragged suffixes) and
+`--in-step` (streams started together with equal lengths, finishing in the same steps).
 
     python bench/loop_profile.py --model llama-1b --prefix-len 2048 --suffix-len 64 --streams 8
 """
@@ -52,7 +57,8 @@ def prefixes_for(vocab: int, args) -> list[list[int]]:
 
 
 async def drive(eng: AsyncEngine, args, prefixes: list[list[int]], requests: int) -> list[tuple[float, dict]]:
-    """`requests` hits after a staggered first wave; each (TTFT s, its parts)."""
+    """`requests` hits after a first wave (staggered, unless `--in-step`); each (TTFT s,
+    its parts)."""
     rng = random.Random(1)
     # --ban-eos: EOS kept out through `logit_bias`, as serve_bench asks every server.
     bias = {t: -100.0 for t in eng.tokenizer.eos_token_ids} if args.ban_eos else {}
@@ -76,7 +82,10 @@ async def drive(eng: AsyncEngine, args, prefixes: list[list[int]], requests: int
         return first, parts
 
     async def stream(w: int) -> None:
-        await one(1 + w * args.output_len // args.streams)   # arrivals spread over the steps
+        # Arrivals spread over the steps; --in-step: every stream's first request is as
+        # long as the rest, so the streams finish, and send again, in the same steps, as
+        # a load generator's equal-length streams started together do.
+        await one(args.output_len if args.in_step else 1 + w * args.output_len // args.streams)
         while len(rows) < requests:
             rows.append(await one(args.output_len))
 
@@ -125,7 +134,8 @@ def step_rows(clock: StepClock) -> dict:
     for kind, rows in clock.steps.items():
         if kind == "idle":
             continue
-        out[kind] = {"n": len(rows), **{p: statistics.fmean(r[p] for r in rows) for p in PARTS + ("wall", "between")}}
+        out[kind] = {"n": len(rows), **{p: statistics.fmean(r[p] for r in rows)
+                                        for p in PARTS + ("wall", "between", "prefills")}}
     return out
 
 
@@ -139,6 +149,8 @@ def main(argv=None):
     ap.add_argument("--ban-eos", action="store_true",
                     help="through AsyncEngine, EOS banned by logit_bias (as the HTTP benchmarks do) "
                          "instead of ignore_eos")
+    ap.add_argument("--in-step", action="store_true",
+                    help="through AsyncEngine, the streams' first requests not staggered: they keep in step")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -152,7 +164,7 @@ def main(argv=None):
             if kind in r:
                 s = r[kind]
                 print(f"{'':>10}{kind:>7} n {s['n']:4d} " + " ".join(
-                    f"{p} {s[p]:.2f}" for p in PARTS + ("wall", "between") if p in s))
+                    f"{p} {s[p]:.2f}" for p in PARTS + ("wall", "between", "prefills") if p in s))
     write_result(args.results_dir, f"loop_profile_{args.tag}.json", {**run_meta(args), "rows": rows})
 
 

@@ -26,6 +26,7 @@ class StepClock:
         self._ended: float | None = None
         self.cur = dict.fromkeys(PARTS, 0.0)
         self.kind = "idle"
+        self.prefills = 0   # sequences with prompt tokens in the step
         self.steps: dict[str, list[dict]] = defaultdict(list)
         sched, runner = engine.scheduler, engine.runner
         self._orig = [(sched, "schedule"), (runner, "build"), (runner, "queue"), (runner, "wait"),
@@ -41,8 +42,8 @@ class StepClock:
             self._orig.append((engine, "step"))
 
     def _classify(self, out):
-        self.kind = "idle" if not out else (
-            "mixed" if any(s.num_tokens > 1 for s in out.scheduled) else "decode")
+        self.prefills = 0 if not out else sum(s.num_tokens > 1 for s in out.scheduled)
+        self.kind = "idle" if not out else ("mixed" if self.prefills else "decode")
 
     def _timed(self, fn, part, after=None):
         def run(*args, **kw):
@@ -61,6 +62,7 @@ class StepClock:
         row = {k: v * 1e3 for k, v in self.cur.items()}
         row["wall"] = (time.perf_counter() - t) * 1e3
         row["between"] = 0.0 if self._ended is None else (t - self._ended) * 1e3
+        row["prefills"] = self.prefills
         self._ended = time.perf_counter()
         self.steps[self.kind].append(row)
         return outs

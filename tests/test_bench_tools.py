@@ -225,7 +225,17 @@ def test_loop_profile_times_hits_through_each_driver(tmp_path):
         assert {"to_engine", "engine_queue", "engine_prefill"} <= set(rows[d]["parts_p50_ms"])
     assert "parts_p50_ms" not in rows["step"]
     mixed = rows["thread"]["mixed"]   # the loop's own steps, timed where it makes them
-    assert mixed["n"] >= 4 and mixed["wall"] > 0 and mixed["between"] >= 0
+    assert mixed["n"] >= 4 and mixed["wall"] > 0 and mixed["between"] >= 0 and mixed["prefills"] >= 1
+    assert rows["thread"]["decode"]["prefills"] == 0
+
+
+def test_loop_profile_can_keep_its_streams_in_step(tmp_path):
+    loop_profile.main(["--prefix-len", "64", "--suffix-len", "8", "--streams", "2", "--requests", "4",
+                       "--output-len", "4", "--kv-cache-gb", "0.05", "--driver", "thread", "--in-step",
+                       "--tag", "t", "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "loop_profile_t.json").read_text())
+    assert out["args"]["in_step"] is True and [r["driver"] for r in out["rows"]] == ["thread"]
+    assert out["rows"][0]["requests"] >= 4 and out["rows"][0]["mixed"]["prefills"] >= 1
 
 
 def test_step_ops_counts_each_kind_of_step(tmp_path):
