@@ -875,8 +875,9 @@ def test_shipped_config_under_another_front(front):
     The OpenAI surface is the same: streamed tokens equal the unstreamed answer, a bad
     request is a 400 with an OpenAI error body, and a client that leaves mid-stream
     frees its request (one replica; under HAProxy /metrics may answer from either). Under
-    HAProxy the app runs two replicas, and HAProxy sends requests to both. HAProxy
-    is Serve's to start and to stop: running while served, gone after `serve run`."""
+    HAProxy the app runs two replicas, HAProxy sends requests to both, and a chain of
+    responses (`previous_response_id`) holds across them. HAProxy is Serve's to start
+    and to stop: running while served, gone after `serve run`."""
     import yaml
 
     from .serving import ROOT
@@ -918,6 +919,17 @@ def test_shipped_config_under_another_front(front):
                 c.completions.create(model="default", prompt=f"Count to {i}.", max_tokens=2)
             sessions = _haproxy_sessions(srv.dir)
             assert len(sessions) == 2 and min(sessions.values()) >= 1, sessions
+            # A chain of responses whose turns land on both replicas: each reads the one
+            # before from the response store, whichever replica made it.
+            turns, prev = [], None
+            for _ in range(4):   # a client a turn: a new connection, which HAProxy balances
+                turn = openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0)
+                prev = turn.responses.create(model="default", input="Name a river.", max_output_tokens=4,
+                                             temperature=0, previous_response_id=prev and prev.id)
+                turns.append(prev.usage.input_tokens)
+            after = _haproxy_sessions(srv.dir)
+            assert all(after[k] >= sessions[k] + 1 for k in sessions), (sessions, after)
+            assert turns == sorted(set(turns)), turns   # every turn carries all the ones before
     finally:
         srv.stop()
     assert not _live_haproxy(srv.dir)
