@@ -921,11 +921,12 @@ def test_shipped_config_under_another_front(front):
             assert len(sessions) == 2 and min(sessions.values()) >= 1, sessions
             # A chain of responses whose turns land on both replicas: each reads the one
             # before from the response store, whichever replica made it.
+            c.close()   # no connection left open: HAProxy balances by open connections
             turns, prev = [], None
-            for _ in range(4):   # a client a turn: a new connection, which HAProxy balances
-                turn = openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0)
-                prev = turn.responses.create(model="default", input="Name a river.", max_output_tokens=4,
-                                             temperature=0, previous_response_id=prev and prev.id)
+            for _ in range(4):   # a client a turn: a new connection each time
+                with openai.OpenAI(base_url=srv.urls["llm"] + "/v1", api_key="x", max_retries=0) as turn:
+                    prev = turn.responses.create(model="default", input="Name a river.", max_output_tokens=4,
+                                                 temperature=0, previous_response_id=prev and prev.id)
                 turns.append(prev.usage.input_tokens)
             after = _haproxy_sessions(srv.dir)
             assert all(after[k] >= sessions[k] + 1 for k in sessions), (sessions, after)
