@@ -58,10 +58,7 @@ class ChatCompletionStore:
         return kept.completion
 
     def delete(self, owner: str | None, cid: str) -> bool:
-        if self.records.find(owner, cid) is None:
-            return False
-        self.records.drop(cid)
-        return True
+        return self.records.remove(owner, cid)
 
     def messages(self, owner: str | None, cid: str) -> list[dict] | None:
         kept = self.records.find(owner, cid)

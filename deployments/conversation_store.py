@@ -60,10 +60,7 @@ class ConversationStore:
         return conv.body()
 
     def delete(self, owner: str | None, conv_id: str) -> bool:
-        if self.records.find(owner, conv_id) is None:
-            return False
-        self.records.drop(conv_id)
-        return True
+        return self.records.remove(owner, conv_id)
 
     def items(self, owner: str | None, conv_id: str) -> list[dict] | None:
         conv = self.records.find(owner, conv_id)

@@ -31,8 +31,9 @@ class ItemsCreate(_Strict):
     items: list[InputItem] = Field(min_length=1, max_length=MAX_ITEMS_A_REQUEST)
 
 
-def _missing(conv_id: str) -> HTTPError:
-    return HTTPError(404, f"Conversation with id '{conv_id}' not found.", code="not_found")
+def missing(conv_id: str, param: str | None = None) -> HTTPError:
+    """The 404 for a conversation this key has not (`param`: the request field naming it)."""
+    return HTTPError(404, f"Conversation with id '{conv_id}' not found.", param=param, code="not_found")
 
 
 def _too_large() -> HTTPError:
@@ -65,17 +66,17 @@ async def handle(store: StoreClient, owner: str | None, rest: str, method: str, 
         conv = await store.conversation("update", owner, conv_id, body.metadata or {})
     elif route == ("DELETE", 1, None):
         if not await store.conversation("delete", owner, conv_id):
-            raise _missing(conv_id)
+            raise missing(conv_id)
         return JSONResponse({"id": conv_id, "object": "conversation.deleted", "deleted": True})
     elif route == ("GET", 2, "items"):
         items = await store.conversation("items", owner, conv_id)
         if items is None:
-            raise _missing(conv_id)
+            raise missing(conv_id)
         return JSONResponse(items_page(items, query))
     elif route == ("POST", 2, "items"):
         body = await body_of(ItemsCreate)
         if await store.conversation("get", owner, conv_id) is None:
-            raise _missing(conv_id)
+            raise missing(conv_id)
         added = await store.conversation("append", owner, conv_id, stored_items(body.items))
         if added is None:
             raise _too_large()
@@ -83,7 +84,7 @@ async def handle(store: StoreClient, owner: str | None, rest: str, method: str, 
     elif route == ("GET", 3, "items"):
         items = await store.conversation("items", owner, conv_id)
         if items is None:
-            raise _missing(conv_id)
+            raise missing(conv_id)
         item = next((i for i in items if i["id"] == parts[2]), None)
         if item is None:
             raise HTTPError(404, f"Item with id '{parts[2]}' not found.", code="not_found")
@@ -95,5 +96,5 @@ async def handle(store: StoreClient, owner: str | None, rest: str, method: str, 
     else:
         raise HTTPError(404, f"no route for {method} /v1/conversations{rest}", code="not_found")
     if conv is None:
-        raise _missing(conv_id)
+        raise missing(conv_id)
     return JSONResponse(conv)

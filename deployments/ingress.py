@@ -530,8 +530,7 @@ class OpenAIIngress:
                                 param="conversation")
             history = await self.store.conversation("items", owner, conv_id)
             if history is None:
-                raise HTTPError(404, f"Conversation with id '{conv_id}' not found.", param="conversation",
-                                code="not_found")
+                raise conversations.missing(conv_id, param="conversation")
         elif body.previous_response_id is not None:
             if self.store is None:
                 raise HTTPError(400, "this server stores no responses: send the whole conversation in input "

@@ -105,10 +105,7 @@ class ResponseStore:
         return record
 
     async def delete(self, owner: str | None, response_id: str) -> bool:
-        if await self.get(owner, response_id) is None:
-            return False
-        self._records.drop(response_id)
-        return True
+        return self._records.remove(owner, response_id)
 
     async def cancel(self, owner: str | None, response_id: str) -> tuple[bool, dict] | None:
         """Mark a background response still running as cancelled: (whether it was, the

@@ -57,6 +57,13 @@ class SizedRecords(Generic[R]):
         record.size = size
         self._evict()
 
+    def remove(self, owner: str | None, key: str) -> bool:
+        """Drop `owner`'s record under `key`; False if it has none there."""
+        if self.find(owner, key) is None:
+            return False
+        self.drop(key)
+        return True
+
     def drop(self, key: str) -> None:
         record = self._records.pop(key, None)
         if record is not None:
