@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .attention import PADDING_FREE, available, build_metadata, get_backend, install_hook, resolve_backend
+from .attention import PADDING_FREE, available, build_metadata, get_backend, install_hook, prefill_fn, resolve_backend
 from .attention.metadata import padded_rows
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
@@ -85,8 +85,9 @@ class ModelRunner:
         heads = model.args.num_attention_heads
         self.attention_backend, why = resolve_backend(attention_backend, heads, kv_heads, head_dim,
                                                       block_size, dtype)
-        log.info("attention backend %s (%s)", self.attention_backend, why)
-        self.ctx = StepContext(attend_fn=get_backend(self.attention_backend))
+        prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)
+        log.info("attention backend %s (%s; %s)", self.attention_backend, why, prefill_why)
+        self.ctx = StepContext(attend_fn=get_backend(self.attention_backend), prefill_fn=prefill)
         self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1)
                        for i in range(num_layers)]
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
-from runtime.attention import build_metadata, check_backend, gather, resolve_backend, sort_key
-from runtime.attention import available, metadata, paged_kernel
+from runtime.attention import build_metadata, check_backend, gather, paged_attention, prefill_fn, resolve_backend, sort_key
+from runtime.attention import available, metadata, paged_kernel, paged_prefill
 from runtime.attention import decode_problem
 
 from .conftest import reference_greedy
@@ -110,6 +110,69 @@ def test_engine_on_cuda_backend_matches_mlx_lm(default_model):
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(engine.config.model, p, 10)]
+
+
+# (lengths, contexts, heads, kv_heads, head_dim, block_size): a hit wave, ragged hits over
+# ragged contexts, whole short prompts, one query head a KV head, a group of 7, head_dim
+# 128, blocks of 32, a context that ends mid-tile.
+PREFILL_CASES = [([64] * 8, [2112] * 8, 32, 8, 64, 16), ([64, 37, 5], [2112, 1500, 1100], 32, 8, 64, 16),
+                 ([100, 17], [100, 60], 8, 8, 64, 16), ([2, 2], [70, 64], 28, 4, 128, 16),
+                 ([128, 90], [4000, 3000], 16, 2, 128, 32), ([33], [1000], 32, 8, 64, 16)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("lengths, contexts, heads, kv_heads, head_dim, block_size", PREFILL_CASES)
+def test_cuda_prefill_kernel_matches_gather(dtype, lengths, contexts, heads, kv_heads, head_dim, block_size):
+    q, k, v, meta = paged_prefill.prefill_problem(lengths, contexts, heads, kv_heads, head_dim, block_size,
+                                                  dtype, seed=len(lengths))
+    assert all(g.unfused for g in meta.groups)   # the groups the kernel takes over
+    scale = head_dim ** -0.5
+    want = paged_attention(q, k, v, meta, scale, gather.attend_group).astype(mx.float32)
+    got = paged_attention(q, k, v, meta, scale, gather.attend_group,
+                          prefill=paged_prefill.paged_prefill).astype(mx.float32)
+    assert float(mx.abs(got - want).max().item()) <= 3e-2
+
+
+def test_prefill_groups_say_where_each_sequence_rows_start():
+    """The prefill kernel finds a sequence's rows through `seq_rows`: its first row in
+    the group and its count; padding sequences have none. Only short (unfused) groups
+    carry it."""
+    meta = build_metadata([[0, 1], [2, 3], [4]], [20, 14, 13], [5, 3, 2], 16, plan_per_shape=True)
+    (g,) = meta.groups
+    assert g.unfused and g.seq_rows.tolist() == [[0, 5], [5, 3], [8, 2], [0, 0]]
+    long = build_metadata([[0] * 20], [0], [300], 16, plan_per_shape=True).groups[0]
+    assert not long.unfused and long.seq_rows is None
+
+
+@needs_cuda
+def test_cuda_prefill_self_check_passes_and_serves_the_cuda_backend():
+    fn, why = prefill_fn("cuda", 32, 8, 64, 16, mx.bfloat16)
+    assert fn is paged_prefill.paged_prefill, why
+    fn, why = prefill_fn("cuda", 32, 8, 64, 16, mx.float32)
+    assert fn is None and "float32" in why
+    assert prefill_fn("gather", 32, 8, 64, 16, mx.bfloat16)[0] is None
+
+
+@needs_cuda
+def test_engine_prefix_hits_through_the_prefill_kernel_match_mlx_lm(tmp_path):
+    """A bfloat16 model of head_dim 64, so prefix-cache hits and short prompts go through
+    the prefill kernel: the same greedy tokens as mlx-lm, first a whole prompt, then
+    three hits on its prefix with new suffixes of 1 to 40 tokens."""
+    from runtime.models.tiny import make_model
+
+    path = str(make_model(tmp_path / "m", hidden=256, layers=2, heads=4, kv_heads=2, vocab_size=384,
+                          seed=5, dtype="bfloat16"))
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=256, attention_backend="cuda"))
+    assert engine.runner.ctx.prefill_fn is paged_prefill.paged_prefill
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, 380, 200).tolist()
+    prompts = [prefix + rng.integers(3, 380, n).tolist() for n in (5, 1, 40, 17)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for p in prompts:
+        (out,) = engine.generate([p], params)
+        assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 6)]
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 3 * 192
 
 
 def test_decode_groups_split_by_length_only_for_padding_backends():

@@ -5,7 +5,8 @@ from their own module. `install_hook` wraps that name in each model module so th
 when `cache` is one of our paged layer caches, attention reads K/V straight from the
 block pool through a backend; any other cache falls through to mlx-lm unchanged.
 Backends take one group of sequences: `attend_group(q, k_pool, v_pool, group, scale,
-block_size, sinks) -> out`.
+block_size, sinks) -> out`. On CUDA the `cuda` backend's short prefill chunks go
+through a fused kernel of their own (paged_prefill.py, `prefill_fn`).
 """
 
 import logging
@@ -16,7 +17,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import gather, paged_kernel
+from . import gather, paged_kernel, paged_prefill
 from .device import available
 from .metadata import AttentionMetadata, GroupMetadata, build_metadata, flatten, make_group, sort_key
 
@@ -112,6 +113,42 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
     return "gather", "; ".join(reasons)
 
 
+# Ragged hits over ragged contexts with padding sequences; two whole short prompts.
+PREFILL_CHECKS = (([64, 37, 5], [2112, 1500, 1100]), ([2, 2], [70, 64]))
+
+
+def check_prefill_kernel(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype) -> tuple[bool, str]:
+    """Does the kernel match `gather` on random prefill steps of this geometry? Returns
+    (use it, why). The kernel runs only on CUDA machines; this check at start-up is its
+    guard."""
+    if why := paged_prefill.unsupported(heads, kv_heads, head_dim, dtype):
+        return False, why
+    tol = 3e-2
+    scale = head_dim ** -0.5
+    try:
+        for seed, (lengths, contexts) in enumerate(PREFILL_CHECKS):
+            q, k, v, meta = paged_prefill.prefill_problem(lengths, contexts, heads, kv_heads, head_dim, block_size, dtype, seed)
+            want = paged_attention(q, k, v, meta, scale, gather.attend_group)
+            got = paged_attention(q, k, v, meta, scale, gather.attend_group, prefill=paged_prefill.paged_prefill)
+            err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+            if not err <= tol:
+                return False, f"prefill kernel differs from gather by {err:.3g} (tolerance {tol})"
+    except Exception as e:  # a kernel that fails to compile or run is not used
+        return False, f"prefill kernel failed its self-check: {e!r}"
+    return True, "prefill kernel matches gather"
+
+
+def prefill_fn(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
+               dtype) -> tuple[AttendFn | None, str]:
+    """What attends the short prefill chunks of the resolved backend `name`, and why:
+    on `cuda`, the fused prefill kernel (paged_prefill.py) where it serves the geometry
+    and passes its self-check; None (the backend's own way) otherwise."""
+    if name != "cuda":
+        return None, f"short prefill chunks through {name}"
+    ok, why = check_prefill_kernel(heads, kv_heads, head_dim, block_size, dtype)
+    return (paged_prefill.paged_prefill if ok else None), why
+
+
 def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | None:
     if not available(name):
         return f"not available on {mx.default_device()}"
@@ -119,13 +156,18 @@ def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | No
 
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,
-                    scale: float, attend: AttendFn, sinks: mx.array | None = None) -> mx.array:
+                    scale: float, attend: AttendFn, sinks: mx.array | None = None,
+                    prefill: AttendFn | None = None) -> mx.array:
     """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group; rows
-    that pad the batch (`meta.pad_rows`) get zeros."""
+    that pad the batch (`meta.pad_rows`) get zeros. `prefill` (`prefill_fn`) takes the
+    short prefill groups it serves, in their packed rows."""
     outs = []
     whole = len(meta.groups) == 1 and not meta.pad_rows
     for g in meta.groups:
         rows = q if whole else q[g.row_start:g.row_end]           # (Tg, H, 1, D)
+        if prefill is not None and paged_prefill.serves(g, rows, k_pool, sinks):
+            outs.append(prefill(rows, k_pool, v_pool, g, scale, meta.block_size))
+            continue
         if g.single_query:
             outs.append(attend(rows, k_pool, v_pool, g, scale, meta.block_size, sinks))
             continue
@@ -175,4 +217,4 @@ def install_hook(model) -> list[str]:
 
 
 __all__ = ["AttentionMetadata", "GroupMetadata", "available", "build_metadata", "check_backend", "get_backend",
-           "install_hook", "paged_attention", "resolve_backend", "sort_key", "BACKENDS", "PADDING_FREE"]
+           "install_hook", "paged_attention", "prefill_fn", "resolve_backend", "sort_key", "BACKENDS", "PADDING_FREE"]

@@ -28,7 +28,9 @@ SPLIT_RATIO = 0.5
 # 40-66 ms for each shape a process met first; the matmuls' first call 1-9 ms, and once
 # warm 1.2-2.2x fused attention's time (1.47x, +0.25 ms a layer, for 8 hits of 84 tokens
 # over 2k; H200, Llama-3.2-1B geometry, `bench/prefill_plans.py`): a stall per new shape
-# traded for a few milliseconds a hit step. Longer groups cost 1.4-3.4x unfused.
+# traded for a few milliseconds a hit step. Longer groups cost 1.4-3.4x unfused. With
+# the `cuda` backend these groups go through a fused paged prefill kernel instead
+# (paged_prefill.py): no plan either, and 0.34x the matmuls' time for that wave (H100).
 UNFUSED_MAX_QUERIES = 128
 # A longer prefill group there is padded to powers of two in sequences, queries and key
 # blocks: few shapes, so few plans. Past `FINE_PAD_QUERIES` queries a sequence it is
@@ -68,7 +70,8 @@ class GroupMetadata:
     sequence has one query or there is one unpadded sequence (the layout is the packed
     order). A shape-padded prefill group (`make_group(plan_per_shape=True)`) has B, Lq
     and max_blocks rounded up to `padded_size`s; its padding sequences have context 1.
-    `unfused` groups are attended without fused attention (see `UNFUSED_MAX_QUERIES`).
+    `unfused` groups are attended without fused attention (see `UNFUSED_MAX_QUERIES`),
+    or by the fused prefill kernel, which reads `seq_rows` (padding sequences: no rows).
     """
 
     row_start: int
@@ -81,6 +84,7 @@ class GroupMetadata:
     query_rows: mx.array | None = None
     out_rows: mx.array | None = None
     unfused: bool = False
+    seq_rows: mx.array | None = None   # unfused: (B, 2) each sequence's first row and rows
     _additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -223,12 +227,18 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
     qpos_m = mx.array(qpos)
     context = np.ones(rows_n, dtype=np.int32)
     context[:n] = ctx
+    seq_rows = None
+    if unfused:
+        sr = np.zeros((rows_n, 2), dtype=np.int32)
+        sr[:n, 0] = np.cumsum(lens) - lens
+        sr[:n, 1] = lens
+        seq_rows = mx.array(sr)
     return GroupMetadata(
         row_start=row0, row_end=row0 + int(lens.sum()),
         block_tables=mx.array(bt), query_pos=qpos_m,
         context_lens=mx.array(context), max_context_len=int(ctx.max()),
         mask=causal_mask(qpos_m, width, block_size),
-        query_rows=qrows, out_rows=out_rows, unfused=unfused,
+        query_rows=qrows, out_rows=out_rows, unfused=unfused, seq_rows=seq_rows,
     )
 
 

@@ -12,8 +12,9 @@ sums and writes the output in the query's dtype; with one split (a batch big eno
 fill the GPU) the attention kernel writes the output itself. At most two kernels a
 layer, because a decode step is host-bound on launches long before it is bound by
 bandwidth. Padding costs a sequence nothing here (each reads only its own context), so
-a whole decode batch is one group. Only one-query groups (decodes) use it; prefill
-chunks and attention sinks go through `gather`.
+a whole decode batch is one group. Only one-query groups (decodes) use it; short
+prefill chunks on CUDA have a kernel of their own (paged_prefill.py), and longer ones
+and attention sinks go through `gather`.
 
 The kernels are written once, in CUDA C. For Metal, a prologue names CUDA's block and
 thread indices after Metal's attributes and a header maps the few CUDA intrinsics used
@@ -217,7 +218,7 @@ def _kernel(dialect: str, name: str, inputs: list[str], outputs: list[str], sour
     return k
 
 
-def _scale_array(scale: float) -> mx.array:
+def scale_array(scale: float) -> mx.array:
     """One device scalar per softmax scale, made once rather than every layer call."""
     a = _scales.get(scale)
     if a is None:
@@ -252,7 +253,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
     if (why := unsupported(h, n_kv, d)) is not None:
         raise ValueError(f"paged_decode: {why}")
     splits = num_splits(b, n_kv, max_context)
-    call = dict(inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(scale)],
+    call = dict(inputs=[q, k_pool, v_pool, block_tables, context_lens, scale_array(scale)],
                 grid=(WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
     template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS), ("LPT", lanes_per_key(d))]
     if splits == 1:

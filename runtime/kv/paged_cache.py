@@ -70,6 +70,7 @@ class StepContext:
     meta: AttentionMetadata | None = None
     attend_fn: AttendFn | None = None
     sampled: SampledRows | None = None
+    prefill_fn: AttendFn | None = None   # short prefill chunks, where a kernel serves them
 
 
 class PagedLayerCache:
@@ -106,10 +107,11 @@ class PagedLayerCache:
         self.attended += 1
         k, v, ctx = self.pool.keys[self.layer], self.pool.values[self.layer], self.ctx
         if not self.last or ctx.sampled is None:
-            return paged_attention(queries, k, v, ctx.meta, scale, ctx.attend_fn, sinks)
+            return paged_attention(queries, k, v, ctx.meta, scale, ctx.attend_fn, sinks, ctx.prefill_fn)
         rows = ctx.sampled.rows
         out = mx.zeros(queries.shape, queries.dtype)
-        out[rows] = paged_attention(queries[rows], k, v, ctx.sampled.meta, scale, ctx.attend_fn, sinks)
+        out[rows] = paged_attention(queries[rows], k, v, ctx.sampled.meta, scale, ctx.attend_fn, sinks,
+                                    ctx.prefill_fn)
         return out
 
     def empty(self) -> bool:
