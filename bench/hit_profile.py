@@ -12,7 +12,10 @@ is built) or returned from `step()`. Per step, by what it computes
 time and its parts: scheduling, building the lazy graph, queuing it on the device
 (encoding kernels; on MLX's CPU backend, computing it too), waiting for the device, and
 processing tokens. `--early-read off on` runs both passes with and without reading a
-first token's step back before the next is built (`EARLY_READ_MAX_TOKENS`), on one engine.
+first token's step back before the next is built (`EARLY_READ_MAX_TOKENS`), on one engine;
+`--prefill-kernel off on` with short prefill chunks through the matmul way and through
+the fused CUDA prefill kernel. `--in-step`: the streams' first requests are not staggered,
+so hits arrive in waves, one per `--output-len` steps.
 
     python bench/hit_profile.py --model llama-1b --prefix-len 2048 --suffix-len 64 --streams 8
 """
@@ -54,7 +57,8 @@ def run_pass(engine: LLMEngine, kind: str, args, rng: random.Random, prefixes: l
         # The first wave's lengths are staggered so that arrivals spread over the steps,
         # as a server's do, rather than all landing in one.
         first = i < args.streams
-        sp = replace(params, max_tokens=1 + i * args.output_len // args.streams) if first else params
+        sp = replace(params, max_tokens=1 + i * args.output_len // args.streams) \
+            if first and not args.in_step else params
         n = args.suffix_len
         if args.jitter:   # suffixes of ragged lengths, as text prompts tokenize to
             n = rng.randint(round(n * (1 - args.jitter)), round(n * (1 + args.jitter)))
@@ -118,6 +122,9 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=64, help="requests finished per pass")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
+    ap.add_argument("--in-step", action="store_true",
+                    help="the streams' first requests not staggered: they finish, and send again, "
+                         "in the same steps, as a load generator's equal-length streams do")
 
 
 def main(argv=None):
@@ -130,6 +137,9 @@ def main(argv=None):
     ap.add_argument("--early-read", nargs="+", choices=["on", "off"], default=["on"],
                     help="a small first-token step read back before the next is built (on: the "
                          "engine's rule); each given mode runs within each --pad-rows mode")
+    ap.add_argument("--prefill-kernel", nargs="+", choices=["on", "off"], default=["on"],
+                    help="short prefill chunks through the fused CUDA prefill kernel (on, where the "
+                         "backend has it) or gather; each given mode runs within each --early-read mode")
     ap.add_argument("--cprofile", nargs="?", const="hit", choices=["hit", "miss"],
                     help="top host functions of the first hit (or miss) pass")
     ap.add_argument("--graph-prefill-tokens", type=int, default=0,
@@ -154,10 +164,12 @@ def main(argv=None):
     prof = cProfile.Profile() if args.cprofile else None
     rows, ratios = [], {}
     reads_early = engine._reads_early
-    modes = [(pad, early) for pad in args.pad_rows for early in args.early_read]
-    for i, (mode, early) in enumerate(modes):
+    prefill = {"on": engine.runner.ctx.prefill_fn, "off": None}
+    modes = [(pad, early, kern) for pad in args.pad_rows for early in args.early_read for kern in args.prefill_kernel]
+    for i, (mode, early, kern) in enumerate(modes):
         engine.runner.pad_rows = {"auto": auto, "on": True, "off": False}[mode]
         engine._reads_early = reads_early if early == "on" else (lambda pending: False)
+        engine.runner.ctx.prefill_fn = prefill[kern]
         # Warm-up: the kernels and shapes of both passes, and the prefixes cached.
         warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.streams})
         run_pass(engine, "miss", warm, rng, prefixes, None)
@@ -165,22 +177,24 @@ def main(argv=None):
         miss, hit = (run_pass(engine, "miss", args, rng, prefixes, prof if i == 0 and args.cprofile == "miss" else None),
                      run_pass(engine, "hit", args, rng, prefixes, prof if i == 0 and args.cprofile == "hit" else None))
         for r in (miss, hit):
-            r["pad_rows"], r["early_read"] = mode, early
+            r["pad_rows"], r["early_read"], r["prefill_kernel"] = mode, early, kern
         rows += [miss, hit]
-        ratios[mode if len(args.early_read) == 1 else f"{mode}, early read {early}"] = (
-            miss["ttft_p50_ms"] / hit["ttft_p50_ms"])
+        key = mode + (f", early read {early}" if len(args.early_read) > 1 else "") \
+            + (f", prefill kernel {kern}" if len(args.prefill_kernel) > 1 else "")
+        ratios[key] = miss["ttft_p50_ms"] / hit["ttft_p50_ms"]
     print(f"attention backend {engine.runner.attention_backend}, {mx.default_device()}; "
           f"TTFT in the engine, miss/hit: " + ", ".join(f"{v:.2f}x (rows padded: {k})" for k, v in ratios.items()))
-    print(f"{'padded':>6} | {'early':>5} | {'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | "
+    print(f"{'padded':>6} | {'early':>5} | {'kernel':>6} | {'pass':>5} | {'TTFT p50 ms':>11} | {'steps':>5} | {'step kind':>9} | "
           f"{'n':>4} | {'wall ms':>8} | " + " | ".join(f"{p:>8}" for p in PARTS))
     for r in rows:
         for k in ("mixed", "decode"):
             if k in r:
                 s = r[k]
-                print(f"{r['pad_rows']:>6} | {r['early_read']:>5} | {r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | "
+                print(f"{r['pad_rows']:>6} | {r['early_read']:>5} | {r['prefill_kernel']:>6} | {r['pass']:>5} | {r['ttft_p50_ms']:>11.1f} | "
                       f"{r['ttft_steps_p50']:>5} | "
                       f"{k:>9} | {s['n']:>4} | {s['wall']:>8.2f} | " + " | ".join(f"{s[p]:>8.2f}" for p in PARTS))
     out = {**run_meta(args), "attention_backend": engine.runner.attention_backend,
+           "prefill_kernel_serves": prefill["on"] is not None,
            "pad_rows_auto": auto, "ttft_ratio_miss_over_hit": ratios, "rows": rows}
     if prof:
         key = f"{args.cprofile}_top_ms_per_step"

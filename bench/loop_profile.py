@@ -149,8 +149,6 @@ def main(argv=None):
     ap.add_argument("--ban-eos", action="store_true",
                     help="through AsyncEngine, EOS banned by logit_bias (as the HTTP benchmarks do) "
                          "instead of ignore_eos")
-    ap.add_argument("--in-step", action="store_true",
-                    help="through AsyncEngine, the streams' first requests not staggered: they keep in step")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--results-dir", default=str(RESULTS))
     args = ap.parse_args(argv)

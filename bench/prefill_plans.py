@@ -1,7 +1,8 @@
 """Prefill attention where MLX's fused attention builds a plan per input shape (CUDA):
 fused SDPA on padded shapes (`PAD_STEPS` sizes an octave, and, as `fused-pow2`, powers
 of two), against two matmuls and a softmax (padded to a finer grid since d9b676d: the
-matmuls plan per shape too).
+matmuls plan per shape too), and on CUDA against the fused short-prefill kernel that
+now takes those groups (`kernel`, paged_prefill.py).
 
 Each case is one prefill group as the runner builds it (`build_metadata`): `batch`
 sequences, each `queries` new tokens at the end of a `context`-token context in the
@@ -29,10 +30,11 @@ import mlx.core as mx  # noqa: E402
 
 from bench.paged_attention import parse_geometry_args, write_results  # noqa: E402
 from bench.prefill_mask import prefill_cases  # noqa: E402
-from runtime.attention import available, build_metadata, gather, metadata, paged_attention  # noqa: E402
+from runtime.attention import available, build_metadata, gather, metadata, paged_attention, paged_prefill  # noqa: E402
 
-# (`unfused_max_queries`, `pad_steps`) that force each way
-WAYS = {"fused": (0, None), "fused-pow2": (0, 1), "unfused": (1 << 30, None)}
+# (`unfused_max_queries`, `pad_steps`) that force each way; `kernel` is the unfused
+# groups through the fused short-prefill kernel (paged_prefill.py, CUDA only)
+WAYS = {"fused": (0, None), "fused-pow2": (0, 1), "unfused": (1 << 30, None), "kernel": (1 << 30, None)}
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -59,20 +61,25 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
     chosen = "unfused" if plans and 1 < queries <= metadata.UNFUSED_MAX_QUERIES else "fused"
     r = {"batch": batch, "queries": queries, "context": context, "chosen": chosen}
     outs = {}
+    kernel = paged_prefill.unsupported(args.heads, args.kv_heads, args.head_dim, dtype) is None
     for way, (limit, steps) in WAYS.items():
-        if way == "fused-pow2" and not plans:
-            continue   # nothing is padded
-        meta = build_metadata(tables, starts, lengths, bs, plan_per_shape=plans or way == "unfused",
+        if (way == "fused-pow2" and not plans) or (way == "kernel" and not (kernel and 1 < queries)):
+            continue   # nothing is padded; no kernel here, or a decode
+        meta = build_metadata(tables, starts, lengths, bs, plan_per_shape=plans or way in ("unfused", "kernel"),
                               unfused_max_queries=limit, pad_steps=steps)
         (g,) = meta.groups
         r[f"{way}_shape"] = [*g.query_pos.shape, int(g.block_tables.shape[1]) * bs]
-        fn = lambda: paged_attention(q, k_pool, v_pool, meta, scale, gather.attend_group)  # noqa: E731
+        prefill = paged_prefill.paged_prefill if way == "kernel" else None
+        fn = lambda: paged_attention(q, k_pool, v_pool, meta, scale, gather.attend_group, prefill=prefill)  # noqa: E731
         r[f"{way}_first_ms"], r[f"{way}_ms"] = timed(fn, args.repeats)
         outs[way] = fn().astype(mx.float32)
     r["max_abs_diff"] = max(float(mx.abs(outs["unfused"] - o).max().item()) for o in outs.values())
     r["unfused_over_fused"] = r["unfused_ms"] / r["fused_ms"]
     if "fused-pow2" in outs:
         r["pow2_over_fused"] = r["fused-pow2_ms"] / r["fused_ms"]
+    if "kernel" in outs:
+        r["kernel_over_unfused"] = r["kernel_ms"] / r["unfused_ms"]
+        r["kernel_over_fused"] = r["kernel_ms"] / r["fused_ms"]
     return r
 
 
@@ -88,7 +95,7 @@ def main(argv=None):
           f"{mx.default_device()}; ms per call (one layer)")
     print(f"{'case':>14} | {'fused shape':>16} | {'fused first':>11} | {'fused':>7} | {'pow2 shape':>16} | "
           f"{'pow2 first':>10} | {'pow2':>7} | {'unfused first':>13} | {'unfused':>7} | {'unf/fused':>9} | "
-          f"chosen  | max diff")
+          f"chosen  | max diff | {'kernel':>7} | {'krn/unf':>7} | {'krn/fused':>9}")
     for r in rows:
         case = f"{r['batch']}x{r['queries']}x{r['context']}"
         pow2 = ("x".join(map(str, r["fused-pow2_shape"])), f"{r['fused-pow2_first_ms']:.2f}",
@@ -96,7 +103,9 @@ def main(argv=None):
         print(f"{case:>14} | {'x'.join(map(str, r['fused_shape'])):>16} | {r['fused_first_ms']:11.2f} | "
               f"{r['fused_ms']:7.3f} | {pow2[0]:>16} | {pow2[1]:>10} | {pow2[2]:>7} | "
               f"{r['unfused_first_ms']:13.2f} | {r['unfused_ms']:7.3f} | {r['unfused_over_fused']:9.2f} | "
-              f"{r['chosen']:7} | {r['max_abs_diff']:.2g}")
+              f"{r['chosen']:7} | {r['max_abs_diff']:8.2g} | "
+              + (f"{r['kernel_ms']:7.3f} | {r['kernel_over_unfused']:7.2f} | {r['kernel_over_fused']:9.2f}"
+                 if "kernel_ms" in r else f"{'-':>7} | {'-':>7} | {'-':>9}"))
     write_results(out, args, rows, unfused_max_queries=metadata.UNFUSED_MAX_QUERIES,
                   pad_steps=metadata.PAD_STEPS)
 
