@@ -4,6 +4,8 @@ The CUDA tests run only where MLX's CUDA backend is the default device (the GPU
 machine); on CPU and Metal they skip with that reason.
 """
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -132,6 +134,29 @@ def test_cuda_prefill_kernel_matches_gather(dtype, lengths, contexts, heads, kv_
     got = paged_attention(q, k, v, meta, scale, gather.attend_group,
                           prefill=paged_prefill.paged_prefill).astype(mx.float32)
     assert float(mx.abs(got - want).max().item()) <= 3e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_cuda_prefill_kernel_split_along_the_keys_matches_gather(splits):
+    """Long contexts are split along the keys and merged: any number of splits, some of
+    them empty for the shorter contexts, gives what gather gives."""
+    q, k, v, meta = paged_prefill.prefill_problem([64, 37, 5], [2112, 1500, 1100], 32, 8, 64, 16,
+                                                  mx.bfloat16, seed=splits)
+    scale = 64 ** -0.5
+    want = paged_attention(q, k, v, meta, scale, gather.attend_group).astype(mx.float32)
+    kernel = functools.partial(paged_prefill.paged_prefill, splits=splits)
+    got = paged_attention(q, k, v, meta, scale, gather.attend_group, prefill=kernel).astype(mx.float32)
+    assert float(mx.abs(got - want).max().item()) <= 3e-2
+
+
+def test_long_prefill_contexts_split_along_the_keys():
+    """Splits where a call has too few thread blocks to fill the GPU, each at least
+    `MIN_SPLIT_KEYS` keys, at most 16."""
+    assert paged_prefill.num_splits(2, 500) == 1
+    assert paged_prefill.num_splits(paged_prefill.TARGET_BLOCKS, 100_000) == 1
+    assert paged_prefill.num_splits(16, 3 * paged_prefill.MIN_SPLIT_KEYS) == 3
+    assert paged_prefill.num_splits(1, 10**6) == 16
 
 
 def test_prefill_groups_say_where_each_sequence_rows_start():

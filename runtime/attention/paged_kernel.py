@@ -266,14 +266,21 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
         output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    total = b * h * d
+    return merge_splits(acc, m, l, q.shape, q.dtype, dialect)
+
+
+def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect: str = "cuda") -> mx.array:
+    """Partial softmax sums of (rows, H, splits) -> the attention output, (rows, H, ...D)
+    as `shape`: each split's sums weighed by its maximum (natural-log units, -inf for a
+    split that saw no key) against the rows' overall one."""
+    total = acc.shape[0] * acc.shape[1] * acc.shape[3]
     return _kernel(dialect, "paged_decode_merge", ["out_acc", "out_m", "out_l"], ["out"], _MERGE_SOURCE)(
         inputs=[acc, m, l],
-        template=[("T", q.dtype)],
+        template=[("T", dtype)],
         grid=(-(-total // MERGE_THREADS) * MERGE_THREADS, 1, 1),
         threadgroup=(MERGE_THREADS, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
+        output_shapes=[shape],
+        output_dtypes=[dtype],
     )[0]
 
 

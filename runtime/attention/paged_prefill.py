@@ -16,6 +16,9 @@ accumulation), with an online softmax kept in registers:
 - K is staged in shared memory as it lies in the pool, V transposed, so both operands
   of both products load as 32-bit pairs.
 
+A long context is split along the keys across thread blocks, as the decode kernel
+splits it (flash-decoding), and the decode kernel's merge combines the splits.
+
 It reads the step's packed rows (T, H, 1, D) as the model hands them over and writes
 them so (`GroupMetadata.seq_rows` says where each sequence's rows start): no layout
 copies before or after, where the matmul way queued seven primitives around its own.
@@ -29,7 +32,7 @@ import numpy as np
 
 from .device import available
 from .metadata import GroupMetadata, build_metadata
-from .paged_kernel import scale_array
+from .paged_kernel import merge_splits, scale_array
 
 WARPS = 4
 ROWS = WARPS * 16            # rows (query, head) a thread block serves
@@ -75,7 +78,9 @@ _SOURCE = """
     T* ks = reinterpret_cast<T*>(ks_raw);
     T* vt = reinterpret_cast<T*>(vt_raw);
 
-    const int b = blockIdx.z;
+    const int n_split = gridDim.z / (seq_rows_shape[0]);
+    const int b = blockIdx.z / n_split;
+    const int split = blockIdx.z % n_split;
     const int h_kv = blockIdx.y;
     const int row0 = seq_rows[2 * b];        // the sequence's first row in q
     const int n_new = seq_rows[2 * b + 1];   // its rows (0: a padding sequence)
@@ -85,8 +90,12 @@ _SOURCE = """
     const int n_kv = k_pool_shape[1];
     const int n_tab = block_tables_shape[1];
     const int first_pos = context_lens[b] - n_new;
-    // keys up to the tile's last query: its context, less what later queries add
+    // keys up to the tile's last query: its context, less what later queries add; of
+    // those, this split's share, whole tiles of them
     const int ctx = first_pos + min(n_new, (tile0 + NW * 16 - 1) / G + 1);
+    const int chunk = ((ctx + n_split - 1) / n_split + NT - 1) / NT * NT;
+    const int k_begin = split * chunk;
+    const int k_end = min(ctx, k_begin + chunk);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane >> 2;
@@ -120,14 +129,14 @@ _SOURCE = """
     float m[2] = {NEG_INF, NEG_INF};
     float l[2] = {0.f, 0.f};
 
-    for (int k0 = 0; k0 < ctx; k0 += NT) {
+    for (int k0 = k_begin; k0 < k_end; k0 += NT) {
         __syncthreads();   // the previous tile is read
         for (int i = threadIdx.x; i < NT * D / 8; i += NW * 32) {
             const int key = i / (D / 8);
             const int dv = (i % (D / 8)) * 8;
             const int j = k0 + key;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (j < ctx) {
+            if (j < k_end) {
                 const long slot = (long)block_tables[b * n_tab + j / BS] * BS + j % BS;
                 const long base = (slot * n_kv + h_kv) * D + dv;
                 kv = *reinterpret_cast<const uint4*>(k_pool + base);
@@ -154,22 +163,24 @@ _SOURCE = """
             for (int e = 0; e < 4; ++e) {
                 const int j = k0 + nb * 8 + 2 * t + (e & 1);
                 const int i = e >> 1;
-                s[nb][e] = j <= pos[i] ? s[nb][e] * scale_log2 : NEG_INF;
+                s[nb][e] = (j <= pos[i] && j < k_end) ? s[nb][e] * scale_log2 : NEG_INF;
                 top[i] = fmaxf(top[i], s[nb][e]);
             }
         float alpha[2];
         for (int i = 0; i < 2; ++i) {
             top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 1));
             top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 2));
-            const float m_new = fmaxf(m[i], top[i]);   // finite: key 0 is in the first tile
-            alpha[i] = exp2f(m[i] - m_new);
+            const float m_new = fmaxf(m[i], top[i]);
+            // a row that has seen no key of this split yet keeps nothing and adds nothing
+            alpha[i] = m_new == NEG_INF ? 1.f : exp2f(m[i] - m_new);
             m[i] = m_new;
             l[i] *= alpha[i];
         }
+        const float m_sub[2] = {m[0] == NEG_INF ? 0.f : m[0], m[1] == NEG_INF ? 0.f : m[1]};
         #pragma unroll
         for (int nb = 0; nb < NT / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
-                s[nb][e] = exp2f(s[nb][e] - m[e >> 1]);
+                s[nb][e] = exp2f(s[nb][e] - m_sub[e >> 1]);
                 l[e >> 1] += s[nb][e];
             }
         for (int db = 0; db < D / 8; ++db) {
@@ -194,14 +205,36 @@ _SOURCE = """
         l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
         if (!valid[i]) continue;
-        const float inv = 1.f / l[i];
-        for (int db = 0; db < D / 8; ++db)
-            *reinterpret_cast<unsigned*>(out + row_off[i] + db * 8 + 2 * t) =
-                pp_pack<T>(acc[db][2 * i] * inv, acc[db][2 * i + 1] * inv);
+        EPILOGUE
     }
 """
+# One split: the output itself, in the queries' dtype.
+_FINAL = """const float inv = 1.f / l[i];
+        for (int db = 0; db < D / 8; ++db)
+            *reinterpret_cast<unsigned*>(out + row_off[i] + db * 8 + 2 * t) =
+                pp_pack<T>(acc[db][2 * i] * inv, acc[db][2 * i + 1] * inv);"""
+# Several: each split's unnormalized sums, its maximum in natural-log units and its
+# total, for the decode kernel's merge (paged_kernel.py), which reads (rows, H, splits).
+_PARTIAL = """const long o = (row_off[i] / D) * n_split + split;
+        for (int db = 0; db < D / 8; ++db) {
+            out_acc[o * D + db * 8 + 2 * t] = acc[db][2 * i];
+            out_acc[o * D + db * 8 + 2 * t + 1] = acc[db][2 * i + 1];
+        }
+        if (t == 0) {
+            out_m[o] = m[i] * 0.6931471805599453f;
+            out_l[o] = l[i];
+        }"""
 _INPUTS = ["q", "k_pool", "v_pool", "block_tables", "seq_rows", "context_lens", "scale"]
-_kernel = None
+_SPLIT_MAX = 16
+_kernels: dict[str, object] = {}
+# Long contexts are split along the keys until a call has about this many thread blocks
+# (a few waves of an H100's 132 SMs), each split at least `MIN_SPLIT_KEYS` keys. One
+# layer, 1B geometry, H100 (`bench/prefill_plans.py --kernel-splits`), ms unsplit / as
+# chosen: one hit over 7,744 keys 0.424 / 0.156 (7 splits), 8 hits 0.624 / 0.521 (4),
+# one 128-token chunk over 4,096 0.257 / 0.140 (4); 32 hits over 2,112 stay whole
+# (0.45); 8 hits over 2,112 take 2 splits, 0.254 against 0.205 whole in that run.
+TARGET_BLOCKS = 792
+MIN_SPLIT_KEYS = 1024
 
 
 def unsupported(heads: int, kv_heads: int, head_dim: int, dtype) -> str | None:
@@ -217,23 +250,44 @@ def unsupported(heads: int, kv_heads: int, head_dim: int, dtype) -> str | None:
     return None
 
 
+def num_splits(blocks: int, max_context: int) -> int:
+    """Splits along the keys for a call of `blocks` thread blocks a split."""
+    by_work = -(-TARGET_BLOCKS // max(blocks, 1))
+    return max(1, min(by_work, max_context // MIN_SPLIT_KEYS, _SPLIT_MAX))
+
+
 def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
-                  scale: float, block_size: int) -> mx.array:
+                  scale: float, block_size: int, splits: int | None = None) -> mx.array:
     """A short prefill group's packed rows q: (Tg, H, 1, D) -> (Tg, H, 1, D), each query
     attending its sequence's keys up to its own position, read from the pool through
-    `g.block_tables`; sequence b's rows start at `g.seq_rows[b, 0]`."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="paged_prefill_attention", input_names=_INPUTS,
-                                      output_names=["out"], source=_SOURCE, header=_HEADER)
+    `g.block_tables`; sequence b's rows start at `g.seq_rows[b, 0]`. Long contexts are
+    split along the keys (`num_splits`, or `splits`), and the splits merged."""
     h, d = q.shape[1], q.shape[-1]
     b, lq = g.query_pos.shape
     n_kv = k_pool.shape[1]
     tiles = -(-(lq * (h // n_kv)) // ROWS)
-    return _kernel(inputs=[q, k_pool, v_pool, g.block_tables, g.seq_rows, g.context_lens, scale_array(scale)],
-                   template=[("T", q.dtype), ("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
-                   grid=(tiles * WARPS * 32, n_kv, b), threadgroup=(WARPS * 32, 1, 1),
-                   output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
+    if splits is None:
+        splits = num_splits(tiles * n_kv * b, g.max_context_len)
+    call = dict(inputs=[q, k_pool, v_pool, g.block_tables, g.seq_rows, g.context_lens, scale_array(scale)],
+                template=[("T", q.dtype), ("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
+                grid=(tiles * WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
+    if splits == 1:
+        final = _kernel("paged_prefill_attention", ["out"], _SOURCE.replace("EPILOGUE", _FINAL))
+        return final(**call, output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
+    t = q.shape[0]
+    partial = _kernel("paged_prefill_attention_partial", ["out_acc", "out_m", "out_l"],
+                      _SOURCE.replace("EPILOGUE", _PARTIAL))
+    acc, m, l = partial(**call, output_shapes=[(t, h, splits, d), (t, h, splits), (t, h, splits)],
+                        output_dtypes=[mx.float32] * 3)
+    return merge_splits(acc, m, l, q.shape, q.dtype)
+
+
+def _kernel(name: str, outputs: list[str], source: str):
+    k = _kernels.get(name)
+    if k is None:
+        k = _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=_INPUTS, output_names=outputs,
+                                                 source=source, header=_HEADER)
+    return k
 
 
 def serves(g: GroupMetadata, q: mx.array, k_pool: mx.array, sinks) -> bool:
