@@ -19,7 +19,9 @@ plans, fused runs unpadded and its first call builds nothing.
 """
 
 import argparse
+import re
 import statistics
+from functools import partial
 import sys
 import time
 from pathlib import Path
@@ -50,6 +52,11 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     return first * 1e3, statistics.median(times) * 1e3
 
 
+def paged_prefill_group(tables, starts, lengths, bs):
+    (g,) = build_metadata(tables, starts, lengths, bs, plan_per_shape=True, unfused_max_queries=1 << 30).groups
+    return g
+
+
 def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> dict:
     bs, dtype = args.block_size, k_pool.dtype
     per = -(-context // bs)
@@ -62,14 +69,17 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
     r = {"batch": batch, "queries": queries, "context": context, "chosen": chosen}
     outs = {}
     kernel = paged_prefill.unsupported(args.heads, args.kv_heads, args.head_dim, dtype) is None
-    for way, (limit, steps) in WAYS.items():
-        if (way == "fused-pow2" and not plans) or (way == "kernel" and not (kernel and 1 < queries)):
+    ways = {**WAYS, **{f"kernel-s{n}": WAYS["kernel"] for n in args.kernel_splits}}
+    for way, (limit, steps) in ways.items():
+        if (way == "fused-pow2" and not plans) or (way.startswith("kernel") and not (kernel and 1 < queries)):
             continue   # nothing is padded; no kernel here, or a decode
         meta = build_metadata(tables, starts, lengths, bs, plan_per_shape=plans or way in ("unfused", "kernel"),
                               unfused_max_queries=limit, pad_steps=steps)
         (g,) = meta.groups
         r[f"{way}_shape"] = [*g.query_pos.shape, int(g.block_tables.shape[1]) * bs]
-        prefill = paged_prefill.paged_prefill if way == "kernel" else None
+        prefill = None
+        if way.startswith("kernel"):
+            prefill = partial(paged_prefill.paged_prefill, splits=int(way[8:]) if way != "kernel" else None)
         fn = lambda: paged_attention(q, k_pool, v_pool, meta, scale, gather.attend_group, prefill=prefill)  # noqa: E731
         r[f"{way}_first_ms"], r[f"{way}_ms"] = timed(fn, args.repeats)
         outs[way] = fn().astype(mx.float32)
@@ -80,6 +90,10 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
     if "kernel" in outs:
         r["kernel_over_unfused"] = r["kernel_ms"] / r["unfused_ms"]
         r["kernel_over_fused"] = r["kernel_ms"] / r["fused_ms"]
+        g = paged_prefill_group(tables, starts, lengths, bs)
+        h = args.heads // args.kv_heads
+        blocks = -(-(g.query_pos.shape[1] * h) // paged_prefill.ROWS) * args.kv_heads * g.query_pos.shape[0]
+        r["kernel_splits"] = paged_prefill.num_splits(blocks, g.max_context_len)
     return r
 
 
@@ -88,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=["2x16x256", "4x32x256", "1x64x512"],
                     help="BATCHxQUERIESxCONTEXT")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--kernel-splits", type=int, nargs="*", default=[],
+                    help="also time the prefill kernel at these fixed splits along the keys")
     args, out = parse_geometry_args(ap, argv, "prefill_plans")
     cases, k_pool, v_pool = prefill_cases(args)
     rows = [run_case(b, lq, ctx, k_pool, v_pool, args) for b, lq, ctx in cases]
@@ -106,6 +122,11 @@ def main(argv=None):
               f"{r['chosen']:7} | {r['max_abs_diff']:8.2g} | "
               + (f"{r['kernel_ms']:7.3f} | {r['kernel_over_unfused']:7.2f} | {r['kernel_over_fused']:9.2f}"
                  if "kernel_ms" in r else f"{'-':>7} | {'-':>7} | {'-':>9}"))
+    for r in rows:
+        splits = {m[1]: v for k, v in r.items() if (m := re.fullmatch(r"kernel-s(\d+)_ms", k))}
+        if splits:
+            print(f"{r['batch']}x{r['queries']}x{r['context']}: kernel {r['kernel_ms']:.3f} ms "
+                  f"({r['kernel_splits']} splits); " + ", ".join(f"{k} splits {v:.3f}" for k, v in splits.items()))
     write_results(out, args, rows, unfused_max_queries=metadata.UNFUSED_MAX_QUERIES,
                   pad_steps=metadata.PAD_STEPS)
 
