@@ -23,8 +23,9 @@ It reads the step's packed rows (T, H, 1, D) as the model hands them over and wr
 them so (`GroupMetadata.seq_rows` says where each sequence's rows start): no layout
 copies before or after, where the matmul way queued seven primitives around its own.
 A block past its sequence's rows (padding) returns at once. No plan, no per-shape
-stall: one compiled kernel per (dtype, head_dim, group size, block size). bfloat16 and float16
-only (the tensor-core inputs); other dtypes, and attention sinks, stay on `gather`.
+stall: two compiled kernels (whole, split) per dtype, head_dim, group size and block
+size. bfloat16 and float16 only (the tensor-core inputs); other dtypes, and attention
+sinks, keep the matmul way.
 """
 
 import mlx.core as mx
