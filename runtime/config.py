@@ -20,6 +20,9 @@ class EngineConfig:
     hits, chat turns) run in that compiled graph beside the step's decodes, one row a
     token, where the step's rows fit a batch bucket traced at start-up (start-up
     traces up to `max_num_seqs` plus this many rows); 0 runs every prefill eagerly.
+    `prefill_kernel`: with the `cuda` backend, short prefill chunks go through the
+    fused paged prefill kernel (attention/paged_prefill.py); False keeps the matmul way
+    (for A/B measurements).
     `fuse_projections` concatenates each layer's q/k/v and gate/up weights, so each
     set is one matmul (models/fuse.py). `device` ("cpu" or "gpu") overrides MLX's
     default device for the engine's process, e.g. to run replicas on a host's cores.
@@ -46,6 +49,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     compile_decode: bool | None = None
     graph_prefill_tokens: int = 0
+    prefill_kernel: bool = True
     fuse_projections: bool = True
     async_scheduling: bool = True
     seed: int = 0

@@ -139,7 +139,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
                                   config.attention_backend, config.compile_decode,
-                                  config.graph_prefill_tokens)
+                                  config.graph_prefill_tokens, config.prefill_kernel)
         self.runner.verify()
         self.buffer_cache_limit = bound_buffer_cache(config.buffer_cache_bytes, self.runner.pool.nbytes)
         if self.runner.decode_graph is not None:

@@ -77,7 +77,7 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: mx.Dtype,
                  attention_backend: str = "gather", compile_decode: bool | None = False,
-                 graph_prefill_tokens: int = 0):
+                 graph_prefill_tokens: int = 0, prefill_kernel: bool = True):
         self.model = model
         self.block_size = block_size
         num_layers, kv_heads, head_dim = kv_geometry(model)
@@ -85,7 +85,9 @@ class ModelRunner:
         heads = model.args.num_attention_heads
         self.attention_backend, why = resolve_backend(attention_backend, heads, kv_heads, head_dim,
                                                       block_size, dtype)
-        prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)
+        prefill, prefill_why = None, "prefill kernel off"
+        if prefill_kernel:
+            prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)
         log.info("attention backend %s (%s; %s)", self.attention_backend, why, prefill_why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend), prefill_fn=prefill)
         self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1)

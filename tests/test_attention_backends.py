@@ -198,6 +198,8 @@ def test_engine_prefix_hits_through_the_prefill_kernel_match_mlx_lm(tmp_path):
         (out,) = engine.generate([p], params)
         assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 6)]
     assert engine.stats()["prefix_cache_hit_tokens"] >= 3 * 192
+    off = LLMEngine(EngineConfig(model=path, num_gpu_blocks=256, attention_backend="cuda", prefill_kernel=False))
+    assert off.runner.ctx.prefill_fn is None
 
 
 def test_decode_groups_split_by_length_only_for_padding_backends():
