@@ -66,16 +66,19 @@ class ConversationStore:
         conv = self.records.find(owner, conv_id)
         return None if conv is None else list(conv.items)
 
-    def append(self, owner: str | None, conv_id: str, items: list[dict]) -> list[dict] | None:
-        """Add `items` (each with an id) at the end; returns them, or None if there is no
-        such conversation or it would grow past `max_bytes`."""
+    def append(self, owner: str | None, conv_id: str, items: list[dict]) -> tuple[bool, list[dict] | None]:
+        """Add `items` (each with an id) at the end. Returns (whether there is such a
+        conversation, the items added or None if they would grow it past `max_bytes`):
+        one call tells a caller both answers it reports apart."""
         conv = self.records.find(owner, conv_id)
-        size = None if conv is None else conv.size + _size(items)
-        if size is None or size > self.records.max_bytes:
-            return None
+        if conv is None:
+            return False, None
+        size = conv.size + _size(items)
+        if size > self.records.max_bytes:
+            return True, None
         conv.items += items
         self.records.resize(conv_id, size)   # found last: the others go first
-        return items
+        return True, items
 
     def delete_item(self, owner: str | None, conv_id: str, item_id: str) -> tuple[dict | None, bool]:
         """(the conversation, or None if there is none; whether it held the item)."""

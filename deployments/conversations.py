@@ -75,9 +75,9 @@ async def handle(store: StoreClient, owner: str | None, rest: str, method: str, 
         return JSONResponse(items_page(items, query))
     elif route == ("POST", 2, "items"):
         body = await body_of(ItemsCreate)
-        if await store.conversation("get", owner, conv_id) is None:
+        found, added = await store.conversation("append", owner, conv_id, stored_items(body.items))
+        if not found:
             raise missing(conv_id)
-        added = await store.conversation("append", owner, conv_id, stored_items(body.items))
         if added is None:
             raise _too_large()
         return JSONResponse(_item_list(added))

@@ -547,7 +547,7 @@ class OpenAIIngress:
         to its conversation once it ended well; a store that fails costs the caller
         nothing but the chain (logged)."""
         if (conv_id := body.conversation_id) is not None and response["status"] in ("completed", "incomplete"):
-            await _quietly(self.store.conversation("append", owner, conv_id, own + response["output"]),
+            await _quietly(_appended(self.store.conversation("append", owner, conv_id, own + response["output"])),
                            f"the turn of conversation {conv_id}")
         if self.store is not None and body.stored:
             await _quietly(self.store.put(owner, response, body.input_items()), f"response {response['id']}")
@@ -924,6 +924,12 @@ def engine_timing(out) -> dict[str, float]:
     beyond them."""
     m = getattr(out, "metrics", None)
     return m.ttft_parts() if m is not None else {}
+
+
+async def _appended(call) -> list | None:
+    """A conversation store `append`'s items added: None where it refused them (too
+    large) or the conversation is gone."""
+    return (await call)[1]
 
 
 async def _quietly(call, what: str) -> None:

@@ -236,6 +236,33 @@ def test_the_store_keeps_the_newest_within_its_bounds_and_each_owners_own():
     asyncio.run(run())
 
 
+def test_a_turn_the_conversation_store_refuses_is_logged(caplog):
+    """A response's turn that its conversation cannot take (gone, or too large) costs
+    the caller nothing, but is logged; one it takes is not."""
+    import asyncio
+    import logging
+
+    from deployments.conversation_store import ConversationStore
+    from deployments.ingress import _appended, _quietly
+
+    store = ConversationStore(max_conversations=2, max_bytes=400)
+    conv = store.create("a", [], {})
+    item = {"id": "m1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}
+
+    async def turn(owner, items):
+        return store.append(owner, conv["id"], items)
+
+    serve_log = logging.getLogger("ray.serve")   # the replicas' logger, which Ray keeps to itself
+    serve_log.addHandler(caplog.handler)
+    try:
+        for owner, items, refused in (("a", [item], False), ("b", [item], True), ("a", [item] * 9, True)):
+            caplog.clear()
+            asyncio.run(_quietly(_appended(turn(owner, items)), "the turn"))
+            assert ("the turn not stored: refused" in caplog.text) is refused, (owner, len(items))
+    finally:
+        serve_log.removeHandler(caplog.handler)
+
+
 def test_the_conversation_store_keeps_each_owners_own_within_its_bounds():
     from deployments.conversation_store import ConversationStore
 
@@ -247,10 +274,10 @@ def test_the_conversation_store_keeps_each_owners_own_within_its_bounds():
     a = store.create("a", msg, {"k": "v"})
     assert a["object"] == "conversation" and store.get("a", a["id"]) == a and store.get("b", a["id"]) is None
     assert store.items("a", a["id"]) == msg and store.items("b", a["id"]) is None
-    assert store.append("b", a["id"], msg) is None and store.update("b", a["id"], {}) is None
-    assert store.append("a", a["id"], [{**msg[0], "id": "m2"}]) == [{**msg[0], "id": "m2"}]
+    assert store.append("b", a["id"], msg) == (False, None) and store.update("b", a["id"], {}) is None
+    assert store.append("a", a["id"], [{**msg[0], "id": "m2"}]) == (True, [{**msg[0], "id": "m2"}])
     assert store.stats() == {"conversations": 1, "conversation_bytes": 2 * size}
-    assert store.append("a", a["id"], [{**msg[0], "id": "m3"}, {**msg[0], "id": "m4"}]) is None   # over the bound
+    assert store.append("a", a["id"], [{**msg[0], "id": "m3"}, {**msg[0], "id": "m4"}]) == (True, None)   # over
     assert store.delete_item("a", a["id"], "nope") == (store.get("a", a["id"]), False)
     assert store.delete_item("a", a["id"], "m1")[1] and [i["id"] for i in store.items("a", a["id"])] == ["m2"]
     assert store.stats()["conversation_bytes"] == size
@@ -258,7 +285,7 @@ def test_the_conversation_store_keeps_each_owners_own_within_its_bounds():
     store.get("a", a["id"])                                   # read: a is now the newest
     c = store.create("a", [], {})                             # a third: the least recently used goes
     assert store.get("a", b["id"]) is None and store.get("a", a["id"]) and store.get("a", c["id"])
-    assert store.append("a", c["id"], msg + [{**msg[0], "id": "m5"}, {**msg[0], "id": "m6"}])   # a goes, by bytes
+    assert store.append("a", c["id"], msg + [{**msg[0], "id": "m5"}, {**msg[0], "id": "m6"}])[1]   # a goes, by bytes
     assert store.get("a", a["id"]) is None and store.stats() == {"conversations": 1, "conversation_bytes": 3 * size}
     assert store.create("a", msg * 4, {}) is None             # alone over the bound
     assert not store.delete("b", c["id"]) and store.delete("a", c["id"]) and store.stats()["conversation_bytes"] == 0
