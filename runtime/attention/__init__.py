@@ -127,7 +127,8 @@ def check_prefill_kernel(heads: int, kv_heads: int, head_dim: int, block_size: i
     scale = head_dim ** -0.5
     try:
         for seed, (lengths, contexts) in enumerate(PREFILL_CHECKS):
-            q, k, v, meta = paged_prefill.prefill_problem(lengths, contexts, heads, kv_heads, head_dim, block_size, dtype, seed)
+            q, k, v, meta = paged_prefill.prefill_problem(lengths, contexts, heads, kv_heads, head_dim,
+                                                          block_size, dtype, seed)
             want = paged_attention(q, k, v, meta, scale, gather.attend_group)
             got = paged_attention(q, k, v, meta, scale, gather.attend_group, prefill=paged_prefill.paged_prefill)
             err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())

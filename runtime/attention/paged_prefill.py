@@ -52,13 +52,15 @@ template <> __device__ __forceinline__ unsigned pp_pack<__half>(float lo, float 
 }
 // c (16x8, f32) += a (16x16, row-major) * b (16x8, column-major), one warp.
 template <typename T> __device__ __forceinline__ void pp_mma(float* c, const unsigned* a, unsigned b0, unsigned b1);
-template <> __device__ __forceinline__ void pp_mma<__nv_bfloat16>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+template <> __device__ __forceinline__ void pp_mma<__nv_bfloat16>(float* c, const unsigned* a,
+                                                                  unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-template <> __device__ __forceinline__ void pp_mma<__half>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+template <> __device__ __forceinline__ void pp_mma<__half>(float* c, const unsigned* a,
+                                                           unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
