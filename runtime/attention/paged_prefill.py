@@ -40,32 +40,26 @@ ROWS = WARPS * 16            # rows (query, head) a thread block serves
 HEAD_DIMS = (64, 128)
 DTYPES = (mx.bfloat16, mx.float16)
 
-_HEADER = """
+_HEADER = r"""
+// pp_pack: two floats as one register of two T. pp_mma: c (16x8, f32) += a (16x16,
+// row-major) * b (16x8, column-major), one warp. Both for each tensor-core input type.
 template <typename T> __device__ __forceinline__ unsigned pp_pack(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pp_pack<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-template <> __device__ __forceinline__ unsigned pp_pack<__half>(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-// c (16x8, f32) += a (16x16, row-major) * b (16x8, column-major), one warp.
 template <typename T> __device__ __forceinline__ void pp_mma(float* c, const unsigned* a, unsigned b0, unsigned b1);
-template <> __device__ __forceinline__ void pp_mma<__nv_bfloat16>(float* c, const unsigned* a,
-                                                                  unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define PP_TYPE(T, T2, CONVERT, PTX)                                                              \
+template <> __device__ __forceinline__ unsigned pp_pack<T>(float lo, float hi) {                  \
+    T2 v = CONVERT(lo, hi);                                                                       \
+    return *reinterpret_cast<unsigned*>(&v);                                                      \
+}                                                                                                 \
+template <> __device__ __forceinline__ void pp_mma<T>(float* c, const unsigned* a, unsigned b0,   \
+                                                      unsigned b1) {                              \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                     \
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                          \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                 \
 }
-template <> __device__ __forceinline__ void pp_mma<__half>(float* c, const unsigned* a,
-                                                           unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+PP_TYPE(__nv_bfloat16, __nv_bfloat162, __floats2bfloat162_rn, "bf16")
+PP_TYPE(__half, __half2, __floats2half2_rn, "f16")
+#undef PP_TYPE
 """
 
 # Fragment layouts are PTX's for m16n8k16: lane = 4 * g + t; A holds rows g and g + 8,
