@@ -21,9 +21,9 @@ plans, fused runs unpadded and its first call builds nothing.
 import argparse
 import re
 import statistics
-from functools import partial
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,11 +52,6 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     return first * 1e3, statistics.median(times) * 1e3
 
 
-def paged_prefill_group(tables, starts, lengths, bs):
-    (g,) = build_metadata(tables, starts, lengths, bs, plan_per_shape=True, unfused_max_queries=1 << 30).groups
-    return g
-
-
 def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> dict:
     bs, dtype = args.block_size, k_pool.dtype
     per = -(-context // bs)
@@ -77,6 +72,8 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
                               unfused_max_queries=limit, pad_steps=steps)
         (g,) = meta.groups
         r[f"{way}_shape"] = [*g.query_pos.shape, int(g.block_tables.shape[1]) * bs]
+        if way == "kernel":
+            r["kernel_splits"] = paged_prefill.group_splits(g, args.heads, args.kv_heads)
         prefill = None
         if way.startswith("kernel"):
             prefill = partial(paged_prefill.paged_prefill, splits=int(way[8:]) if way != "kernel" else None)
@@ -90,10 +87,6 @@ def run_case(batch: int, queries: int, context: int, k_pool, v_pool, args) -> di
     if "kernel" in outs:
         r["kernel_over_unfused"] = r["kernel_ms"] / r["unfused_ms"]
         r["kernel_over_fused"] = r["kernel_ms"] / r["fused_ms"]
-        g = paged_prefill_group(tables, starts, lengths, bs)
-        h = args.heads // args.kv_heads
-        blocks = -(-(g.query_pos.shape[1] * h) // paged_prefill.ROWS) * args.kv_heads * g.query_pos.shape[0]
-        r["kernel_splits"] = paged_prefill.num_splits(blocks, g.max_context_len)
     return r
 
 

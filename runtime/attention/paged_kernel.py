@@ -206,14 +206,17 @@ def unsupported(heads: int, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
-def _kernel(dialect: str, name: str, inputs: list[str], outputs: list[str], source: str):
+def kernel(dialect: str, name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):
+    """The custom kernel `name` in `dialect` ("cuda" or "metal"), made once a process;
+    `header`: code before the kernel's body (helper functions)."""
     k = _kernels.get((dialect, name))
     if k is None:
         if dialect == "cuda":
-            k = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
+            k = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
+                                    header=header)
         else:
             k = mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs,
-                                     source=_METAL_PROLOGUE + source, header=_METAL_HEADER)
+                                     source=_METAL_PROLOGUE + source, header=_METAL_HEADER + header)
         _kernels[(dialect, name)] = k
     return k
 
@@ -257,10 +260,10 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
                 grid=(WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
     template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS), ("LPT", lanes_per_key(d))]
     if splits == 1:
-        final = _kernel(dialect, "paged_decode_attention_final", _INPUTS, ["out"], _ATTENTION_FINAL)
+        final = kernel(dialect, "paged_decode_attention_final", _INPUTS, ["out"], _ATTENTION_FINAL)
         return final(**call, template=template + [("T", q.dtype)],
                      output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
-    acc, m, l = _kernel(dialect, "paged_decode_attention", _INPUTS, ["out_acc", "out_m", "out_l"],
+    acc, m, l = kernel(dialect, "paged_decode_attention", _INPUTS, ["out_acc", "out_m", "out_l"],
                         _ATTENTION_PARTIAL)(
         **call, template=template,
         output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
@@ -274,7 +277,7 @@ def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect:
     as `shape`: each split's sums weighed by its maximum (natural-log units, -inf for a
     split that saw no key) against the rows' overall one."""
     total = acc.shape[0] * acc.shape[1] * acc.shape[3]
-    return _kernel(dialect, "paged_decode_merge", ["out_acc", "out_m", "out_l"], ["out"], _MERGE_SOURCE)(
+    return kernel(dialect, "paged_decode_merge", ["out_acc", "out_m", "out_l"], ["out"], _MERGE_SOURCE)(
         inputs=[acc, m, l],
         template=[("T", dtype)],
         grid=(-(-total // MERGE_THREADS) * MERGE_THREADS, 1, 1),

@@ -33,7 +33,7 @@ import numpy as np
 
 from .device import available
 from .metadata import GroupMetadata, build_metadata
-from .paged_kernel import merge_splits, scale_array
+from .paged_kernel import kernel, merge_splits, scale_array
 
 WARPS = 4
 ROWS = WARPS * 16            # rows (query, head) a thread block serves
@@ -223,7 +223,6 @@ _PARTIAL = """const long o = (row_off[i] / D) * n_split + split;
         }"""
 _INPUTS = ["q", "k_pool", "v_pool", "block_tables", "seq_rows", "context_lens", "scale"]
 _SPLIT_MAX = 16
-_kernels: dict[str, object] = {}
 # Long contexts are split along the keys until a call has about this many thread blocks
 # (a few waves of an H100's 132 SMs), each split at least `MIN_SPLIT_KEYS` keys. One
 # layer, 1B geometry, H100 (`bench/prefill_plans.py --kernel-splits`), ms unsplit / as
@@ -253,6 +252,12 @@ def num_splits(blocks: int, max_context: int) -> int:
     return max(1, min(by_work, max_context // MIN_SPLIT_KEYS, _SPLIT_MAX))
 
 
+def group_splits(g: GroupMetadata, heads: int, kv_heads: int) -> int:
+    """`num_splits` for a group: its thread blocks are (row tiles, KV heads, sequences)."""
+    b, lq = g.query_pos.shape
+    return num_splits(-(-(lq * (heads // kv_heads)) // ROWS) * kv_heads * b, g.max_context_len)
+
+
 def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
                   scale: float, block_size: int, splits: int | None = None) -> mx.array:
     """A short prefill group's packed rows q: (Tg, H, 1, D) -> (Tg, H, 1, D), each query
@@ -264,27 +269,20 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetad
     n_kv = k_pool.shape[1]
     tiles = -(-(lq * (h // n_kv)) // ROWS)
     if splits is None:
-        splits = num_splits(tiles * n_kv * b, g.max_context_len)
+        splits = group_splits(g, h, n_kv)
     call = dict(inputs=[q, k_pool, v_pool, g.block_tables, g.seq_rows, g.context_lens, scale_array(scale)],
                 template=[("T", q.dtype), ("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
                 grid=(tiles * WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
     if splits == 1:
-        final = _kernel("paged_prefill_attention", ["out"], _SOURCE.replace("EPILOGUE", _FINAL))
+        final = kernel("cuda", "paged_prefill_attention", _INPUTS, ["out"], _SOURCE.replace("EPILOGUE", _FINAL),
+                       _HEADER)
         return final(**call, output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     t = q.shape[0]
-    partial = _kernel("paged_prefill_attention_partial", ["out_acc", "out_m", "out_l"],
-                      _SOURCE.replace("EPILOGUE", _PARTIAL))
+    partial = kernel("cuda", "paged_prefill_attention_partial", _INPUTS, ["out_acc", "out_m", "out_l"],
+                     _SOURCE.replace("EPILOGUE", _PARTIAL), _HEADER)
     acc, m, l = partial(**call, output_shapes=[(t, h, splits, d), (t, h, splits), (t, h, splits)],
                         output_dtypes=[mx.float32] * 3)
     return merge_splits(acc, m, l, q.shape, q.dtype)
-
-
-def _kernel(name: str, outputs: list[str], source: str):
-    k = _kernels.get(name)
-    if k is None:
-        k = _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=_INPUTS, output_names=outputs,
-                                                 source=source, header=_HEADER)
-    return k
 
 
 def serves(g: GroupMetadata, q: mx.array, k_pool: mx.array, sinks) -> bool:
