@@ -64,18 +64,49 @@ _RESPONSES_PARAMS = {"messages": "input", "response_format": "text", "max_comple
 
 
 def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None) -> HTTPError:
-    """`renamed`: the client's names for fields of a body made from its own."""
-    err = e.errors()[0]
-    parts = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
+    """`renamed`: the client's names for fields of a body made from its own. Of the
+    errors of a union's members, the deepest one says what the client got wrong (a
+    content part of an unsupported type, not that content is not a string)."""
+    err = max(e.errors(), key=lambda x: len(x.get("loc", ())))
+    parts = _fields(err.get("loc", ()))
     if renamed and parts:
         parts = [renamed.get(parts[0], parts[0])]
     loc = ".".join(parts) or None
-    msg = err.get("msg", "invalid request")
-    if err.get("type") == "extra_forbidden":
+    kind, msg = err.get("type"), err.get("msg", "invalid request")
+    if kind == "extra_forbidden":
         msg = f"unknown field {loc!r}"
-    elif loc:
-        msg = f"{loc}: {msg}"
+    else:
+        if kind == "literal_error":
+            msg = f"{msg}, not {err.get('input')!r}"
+        elif kind == "union_tag_invalid":
+            ctx = err.get("ctx") or {}
+            msg = f"type {ctx.get('tag')!r} is not supported here; expected one of {ctx.get('expected_tags')}"
+        elif kind == "union_tag_not_found":
+            msg = "each item needs its 'type'"
+        if loc:
+            msg = f"{loc}: {msg}"
     return HTTPError(400, msg, param=loc)
+
+
+_TYPE_LABELS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _fields(loc) -> list[str]:
+    """The field names of a pydantic error's `loc`: without list indices, the labels it
+    gives a union's members (`str`, `list[TextPart]`, `NamedToolChoice`), and the tag
+    that follows a tagged union's label."""
+    out, tagged = [], False
+    for x in loc:
+        if isinstance(x, int):
+            continue
+        if tagged:
+            tagged = False
+            continue
+        if "[" in x or x in _TYPE_LABELS or x[:1].isupper():
+            tagged = "tagged-union[" in x
+            continue
+        out.append(x)
+    return out
 
 
 def tenant_salt(api_key: str) -> str:

@@ -14,9 +14,9 @@ before its own input in the same way, and adds its input and output to it when d
 import time
 import uuid
 from collections import deque
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .protocol import Bookkeeping, Effort, _Strict
 
@@ -43,10 +43,21 @@ class Refusal(_Strict):
     refusal: str
 
 
+def _by_type(default: str | None = None) -> Discriminator:
+    """Picks a union's member by the input's `type` (`default` where it has none, as a
+    message item may), so a bad item is checked against the member it names alone, and
+    an unknown type is named in the error."""
+    return Discriminator(lambda v: v.get("type", default) if isinstance(v, dict) else getattr(v, "type", default))
+
+
+ContentPart = Annotated[Union[Annotated[InputText, Tag("input_text")], Annotated[InputText, Tag("output_text")],
+                              Annotated[Refusal, Tag("refusal")]], _by_type()]
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[Union[InputText, Refusal]]]
+    content: Union[str, list[ContentPart]]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -93,7 +104,9 @@ class ReasoningItem(_Item):
         return "".join(p.text for p in self.content or [])
 
 
-InputItem = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]], _by_type("message")]
 
 
 class FunctionTool(_Strict):

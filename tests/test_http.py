@@ -670,6 +670,17 @@ def test_error_classes(server, front):
     err = _assert_error(_post(server, "/v1/chat/completions", front, {
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": bad_schema}), 400)
     assert err["param"] == "response_format" and "objectx" in err["message"]
+    # A content part or input item the server does not take is named, rather than
+    # reported as content that is not a string (the first of a union's errors).
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    err = _assert_error(_post(server, "/v1/chat/completions", front, {"model": MODEL, "messages": [image]}), 400)
+    assert err["param"] == "messages.content.type" and "'image_url'" in err["message"]
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+    err = _assert_error(_post(server, "/v1/responses", front, {"model": MODEL, "input": [image]}), 400)
+    assert err["param"] == "input.content" and "'input_image'" in err["message"]
+    call = {"type": "function_call", "call_id": "c", "name": "f"}
+    err = _assert_error(_post(server, "/v1/responses", front, {"model": MODEL, "input": [call]}), 400)
+    assert err["param"] == "input.arguments"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "model": "gpt-9"}), 404)
     assert err["code"] == "model_not_found"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "word " * 5000}), 400)
