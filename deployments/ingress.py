@@ -92,21 +92,10 @@ _TYPE_LABELS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 def _fields(loc) -> list[str]:
-    """The field names of a pydantic error's `loc`: without list indices, the labels it
-    gives a union's members (`str`, `list[TextPart]`, `NamedToolChoice`), and the tag
-    that follows a tagged union's label."""
-    out, tagged = [], False
-    for x in loc:
-        if isinstance(x, int):
-            continue
-        if tagged:
-            tagged = False
-            continue
-        if "[" in x or x in _TYPE_LABELS or x[:1].isupper():
-            tagged = "tagged-union[" in x
-            continue
-        out.append(x)
-    return out
+    """A pydantic error's `loc` without list indices and the labels it gives a union's
+    members (`str`, `list[TextPart]`, `NamedToolChoice`). A member picked by its `type`
+    stays, as the item's type: `input.function_call.arguments`."""
+    return [x for x in loc if isinstance(x, str) and not ("[" in x or x in _TYPE_LABELS or x[:1].isupper())]
 
 
 def tenant_salt(api_key: str) -> str:

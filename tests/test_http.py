@@ -677,10 +677,12 @@ def test_error_classes(server, front):
     assert err["param"] == "messages.content.type" and "'image_url'" in err["message"]
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
     err = _assert_error(_post(server, "/v1/responses", front, {"model": MODEL, "input": [image]}), 400)
-    assert err["param"] == "input.content" and "'input_image'" in err["message"]
+    assert err["param"] == "input.message.content" and "'input_image'" in err["message"]
     call = {"type": "function_call", "call_id": "c", "name": "f"}
     err = _assert_error(_post(server, "/v1/responses", front, {"model": MODEL, "input": [call]}), 400)
-    assert err["param"] == "input.arguments"
+    assert err["param"] == "input.function_call.arguments"
+    err = _assert_error(_post(server, "/v1/conversations", front, {"items": [call]}), 400)
+    assert err["param"] == "items.function_call.arguments"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "model": "gpt-9"}), 404)
     assert err["code"] == "model_not_found"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "word " * 5000}), 400)
