@@ -221,6 +221,8 @@ _PARTIAL = """const long o = (row_off[i] / D) * n_split + split;
             out_m[o] = m[i] * 0.6931471805599453f;
             out_l[o] = l[i];
         }"""
+_FINAL_SOURCE = _SOURCE.replace("EPILOGUE", _FINAL)
+_PARTIAL_SOURCE = _SOURCE.replace("EPILOGUE", _PARTIAL)
 _INPUTS = ["q", "k_pool", "v_pool", "block_tables", "seq_rows", "context_lens", "scale"]
 _SPLIT_MAX = 16
 # Long contexts are split along the keys until a call has about this many thread blocks
@@ -252,10 +254,15 @@ def num_splits(blocks: int, max_context: int) -> int:
     return max(1, min(by_work, max_context // MIN_SPLIT_KEYS, _SPLIT_MAX))
 
 
+def _row_tiles(queries: int, heads: int, kv_heads: int) -> int:
+    """Thread blocks along a sequence's (query, head) rows of one KV head."""
+    return -(-(queries * (heads // kv_heads)) // ROWS)
+
+
 def group_splits(g: GroupMetadata, heads: int, kv_heads: int) -> int:
     """`num_splits` for a group: its thread blocks are (row tiles, KV heads, sequences)."""
     b, lq = g.query_pos.shape
-    return num_splits(-(-(lq * (heads // kv_heads)) // ROWS) * kv_heads * b, g.max_context_len)
+    return num_splits(_row_tiles(lq, heads, kv_heads) * kv_heads * b, g.max_context_len)
 
 
 def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
@@ -267,20 +274,19 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetad
     h, d = q.shape[1], q.shape[-1]
     b, lq = g.query_pos.shape
     n_kv = k_pool.shape[1]
-    tiles = -(-(lq * (h // n_kv)) // ROWS)
+    tiles = _row_tiles(lq, h, n_kv)
     if splits is None:
         splits = group_splits(g, h, n_kv)
     call = dict(inputs=[q, k_pool, v_pool, g.block_tables, g.seq_rows, g.context_lens, scale_array(scale)],
                 template=[("T", q.dtype), ("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS)],
                 grid=(tiles * WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
     if splits == 1:
-        final = kernel("cuda", "paged_prefill_attention", _INPUTS, ["out"], _SOURCE.replace("EPILOGUE", _FINAL),
-                       _HEADER)
+        final = kernel("cuda", "paged_prefill_attention", _INPUTS, ["out"], _FINAL_SOURCE, _HEADER)
         return final(**call, output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     t = q.shape[0]
-    partial = kernel("cuda", "paged_prefill_attention_partial", _INPUTS, ["out_acc", "out_m", "out_l"],
-                     _SOURCE.replace("EPILOGUE", _PARTIAL), _HEADER)
-    acc, m, l = partial(**call, output_shapes=[(t, h, splits, d), (t, h, splits), (t, h, splits)],
+    partials = kernel("cuda", "paged_prefill_attention_partial", _INPUTS, ["out_acc", "out_m", "out_l"],
+                      _PARTIAL_SOURCE, _HEADER)
+    acc, m, l = partials(**call, output_shapes=[(t, h, splits, d), (t, h, splits), (t, h, splits)],
                         output_dtypes=[mx.float32] * 3)
     return merge_splits(acc, m, l, q.shape, q.dtype)
 
