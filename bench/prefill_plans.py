@@ -19,7 +19,6 @@ plans, fused runs unpadded and its first call builds nothing.
 """
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -116,10 +115,10 @@ def main(argv=None):
               + (f"{r['kernel_ms']:7.3f} | {r['kernel_over_unfused']:7.2f} | {r['kernel_over_fused']:9.2f}"
                  if "kernel_ms" in r else f"{'-':>7} | {'-':>7} | {'-':>9}"))
     for r in rows:
-        splits = {m[1]: v for k, v in r.items() if (m := re.fullmatch(r"kernel-s(\d+)_ms", k))}
-        if splits:
+        fixed = [n for n in args.kernel_splits if f"kernel-s{n}_ms" in r]
+        if fixed:
             print(f"{r['batch']}x{r['queries']}x{r['context']}: kernel {r['kernel_ms']:.3f} ms "
-                  f"({r['kernel_splits']} splits); " + ", ".join(f"{k} splits {v:.3f}" for k, v in splits.items()))
+                  f"({r['kernel_splits']} splits); " + ", ".join(f"{n} splits {r[f'kernel-s{n}_ms']:.3f}" for n in fixed))
     write_results(out, args, rows, unfused_max_queries=metadata.UNFUSED_MAX_QUERIES,
                   pad_steps=metadata.PAD_STEPS)
 

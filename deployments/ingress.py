@@ -73,18 +73,17 @@ def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None)
         parts = [renamed.get(parts[0], parts[0])]
     loc = ".".join(parts) or None
     kind, msg = err.get("type"), err.get("msg", "invalid request")
+    if kind == "literal_error":
+        msg = f"{msg}, not {err.get('input')!r}"
+    elif kind == "union_tag_invalid":
+        ctx = err.get("ctx") or {}
+        msg = f"type {ctx.get('tag')!r} is not supported here; expected one of {ctx.get('expected_tags')}"
+    elif kind == "union_tag_not_found":
+        msg = "each item needs its 'type'"
     if kind == "extra_forbidden":
         msg = f"unknown field {loc!r}"
-    else:
-        if kind == "literal_error":
-            msg = f"{msg}, not {err.get('input')!r}"
-        elif kind == "union_tag_invalid":
-            ctx = err.get("ctx") or {}
-            msg = f"type {ctx.get('tag')!r} is not supported here; expected one of {ctx.get('expected_tags')}"
-        elif kind == "union_tag_not_found":
-            msg = "each item needs its 'type'"
-        if loc:
-            msg = f"{loc}: {msg}"
+    elif loc:
+        msg = f"{loc}: {msg}"
     return HTTPError(400, msg, param=loc)
 
 
