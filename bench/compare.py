@@ -612,6 +612,14 @@ def headline(rows: list[dict], args) -> dict:
     return h
 
 
+def sweep_points(rows: list[dict], system: str) -> tuple[list[tuple[int, float]], list[int]]:
+    """A system's (concurrency, output tok/s) points of the sweep, and the loads where every
+    request failed: those have no throughput to draw (not zero), only a note."""
+    sweep = [r for r in rows if r["system"] == system and r["workload"] == "random"]
+    return (sorted((r["concurrency"], r["output_tok_s"]) for r in sweep if r.get("completed") != 0),
+            sorted(r["concurrency"] for r in sweep if r.get("completed") == 0))
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -621,9 +629,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
     systems = sorted({r["system"] for r in rows}, key=lambda s: (not s.startswith("ours"), s))
     for s in systems:
-        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["system"] == s and r["workload"] == "random")
+        pts, failed = sweep_points(rows, s)
         if pts:
-            ax[0, 0].plot(*zip(*pts), marker="o", label=s)
+            ax[0, 0].plot(*zip(*pts), marker="o",
+                          label=s + (f" (all failed at {', '.join(map(str, failed))})" if failed else ""))
         g = sorted((r["concurrency"], r["output_tok_s"]) for r in rows
                    if r["system"] == s and r["workload"].startswith("random (attention"))
         if g:
@@ -642,6 +651,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         if pts:
             ax[1, 0].plot(*zip(*pts), marker="o", label=lab)
     ax[1, 0].set(xscale="log", xlabel="concurrency", ylabel="peak KV MiB", title="KV memory vs concurrency")
+    if not any(r["workload"] == "kv-memory" for r in rows):
+        ax[1, 0].text(0.5, 0.5, "not measured in this run (--no-kv-memory)", ha="center", va="center",
+                      transform=ax[1, 0].transAxes)
     bars = sorted((f"{r['system']}\n{r['workload']}", r["ttft_p50_s"]) for r in rows
                   if _plan_of(r["workload"]) in ("prefix", "multi-turn") and r["ttft_p50_s"] is not None)
     if bars:

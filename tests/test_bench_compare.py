@@ -37,6 +37,14 @@ def test_headline_of_a_partial_bundle_leaves_out_what_it_cannot_compare():
     assert abs(h["apc_ttft_p50_speedup"] - 5.0) < 1e-9
 
 
+def test_a_sweep_point_where_every_request_failed_is_noted_not_drawn_as_zero():
+    rows = [dict(_row("mlx_lm.server", "random", c, tok_s, None), completed=n)
+            for c, tok_s, n in ((64, 1000.0, 128), (256, 0.0, 0), (128, 650.0, 256))]
+    rows.append(_row("ours", "random", 256, 15000.0, 0.2))
+    assert compare.sweep_points(rows, "mlx_lm.server") == ([(64, 1000.0), (128, 650.0)], [256])
+    assert compare.sweep_points(rows, "ours") == ([(256, 15000.0)], [])
+
+
 def test_a_variants_prefix_rows_are_compared_with_each_other():
     """HAProxy's APC on / off pairs its own two variant rows, never the proxy's; a
     variant's row counts as its workload when a --merge run replaces rows."""
