@@ -16,7 +16,9 @@ through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shi
 the app with its engine left at the niceness Ray gives its workers (15) instead of 0;
 opt-in `ours-separate-loop`: the app's handlers on an event loop of their own, Ray's
 default, instead of the loop where Ray receives the replica's requests; opt-in
-`ours-lean-serve`: every Ray process of the app with `LEAN_SERVE_ENV`.
+`ours-lean-serve`: every Ray process of the app with `LEAN_SERVE_ENV`; opt-in
+`ours-tokenize-inline`: every prompt tokenized on the replica's event loop, none on its
+tokenizer threads (`tokenize_inline_chars`).
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -161,6 +163,8 @@ VARIANTS = {
     "ours-ray-nice": Variant("engine at Ray's nice 15", {"engine_nice": None}, {"engine_nice": None}),
     "ours-engine-thread": Variant("engine on a thread", {"engine_process": False}, {"engine_process": False}),
     "ours-engine-threads-1": Variant("engine at OMP_NUM_THREADS=1", {"engine_threads": 1}, {"engine_threads": 1}),
+    "ours-tokenize-inline": Variant("tokenized on the loop", {"tokenize_inline_chars": 1 << 30},
+                                    {"tokenize_inline_chars": 1 << 30}, workloads=("random", "prefix")),
 }
 
 

@@ -74,6 +74,12 @@ class AppArgs(BaseModel):
     default_max_tokens: int = 256
     retry_after_s: int = 1
     health_timeout_s: float = 5.0
+    tokenize_inline_chars: int = Field(
+        256, ge=0, description="prompts and chat messages shorter than this many characters are "
+                               "tokenized on the replica's event loop; longer ones on tokenizer "
+                               "threads, where prompts that arrive together tokenize in parallel "
+                               "and the loop serves other requests meanwhile, but each result "
+                               "waits for the GIL while the loop is busy")
     stream_interval_ms: float = Field(
         50.0, ge=0, description="after a stream's first chunk, at most one chunk per interval per "
                                 "request (the last at once): each chunk costs a Ray message through "
@@ -180,7 +186,7 @@ def build_app(args: AppArgs) -> serve.Application:
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_prompt_tokens": args.max_prompt_tokens, "default_max_tokens": args.default_max_tokens,
         "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
-        "created": int(time.time()),
+        "tokenize_inline_chars": args.tokenize_inline_chars, "created": int(time.time()),
     }
     server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,
                    "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,

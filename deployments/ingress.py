@@ -49,9 +49,9 @@ log = logging.getLogger("ray.serve")
 # prompts) spent 27.5 ms p50 from arrival to reaching the engine, mostly waiting for
 # each other's tokenizing, and 13.7 ms with it on threads (bench/results/README.md). The
 # Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel.
-# Prompts shorter than `INLINE_PROMPT_CHARS` cost less than the hop to a thread and back.
+# Prompts shorter than the app's `tokenize_inline_chars` cost less than the hop to a
+# thread and back.
 TOKENIZE_THREADS = 4
-INLINE_PROMPT_CHARS = 256
 # OpenAI's routes to stored objects under an id: responses and chat completions, where the
 # app keeps them (response_store.py).
 STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
@@ -193,7 +193,7 @@ class OpenAIIngress:
 
     async def _tokenize(self, make, num_chars: int) -> list[int]:
         """`make()`'s token ids, made on a tokenizer thread when the text is long."""
-        if num_chars < INLINE_PROMPT_CHARS:
+        if num_chars < self.s["tokenize_inline_chars"]:
             return make()
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, make)
 

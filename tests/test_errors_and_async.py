@@ -551,6 +551,31 @@ def test_health_reports_a_dead_engine_at_once(default_model):
         server.engine.shutdown(timeout=5)
 
 
+def test_prompts_past_the_apps_inline_limit_are_tokenized_on_threads():
+    """`tokenize_inline_chars` reaches the ingress from the app's arguments, and decides
+    where a prompt is tokenized: below it on the event loop's thread, from it on the
+    tokenizer pool."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.app import AppArgs, build_app
+    from deployments.ingress import OpenAIIngress
+
+    bound = build_app(AppArgs(colocate=True, tokenize_inline_chars=100))._bound_deployment
+    settings = bound.init_args[1]
+    assert settings["tokenize_inline_chars"] == 100
+    ingress = OpenAIIngress.__new__(OpenAIIngress)   # only the settings and the pool are read
+    ingress.s, ingress._tokenize_pool = settings, ThreadPoolExecutor(1)
+
+    async def where(num_chars):
+        return await ingress._tokenize(threading.current_thread, num_chars)
+    try:
+        assert asyncio.run(where(99)) is threading.main_thread()
+        assert asyncio.run(where(100)) is not threading.main_thread()
+    finally:
+        ingress._tokenize_pool.shutdown()
+
+
 def test_ingress_answers_a_failed_step_with_503():
     """The replica's error item for a request aborted by a failed step or a dead engine
     becomes 503 with Retry-After (a retry can succeed); a bad request stays 400."""

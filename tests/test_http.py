@@ -182,11 +182,11 @@ def test_long_prompts_tokenized_off_the_loop_match(server, front, engine):
     """Prompts long enough to be tokenized on the ingress's threads, eight at once on
     each endpoint: each request gets its own prompt's tokens and the engine's greedy
     text."""
-    from deployments.ingress import INLINE_PROMPT_CHARS
+    from deployments.app import AppArgs
 
     words = "river baker clock lantern harbor meadow signal orchard".split()
     prompts = [" ".join(words[(i + j) % len(words)] + str(j % (i + 2)) for j in range(60)) for i in range(8)]
-    assert min(map(len, prompts)) > INLINE_PROMPT_CHARS
+    assert min(map(len, prompts)) > AppArgs.model_fields["tokenize_inline_chars"].default
     chats = [[{"role": "user", "content": p}] for p in prompts]
 
     async def ask():
