@@ -18,7 +18,8 @@ opt-in `ours-separate-loop`: the app's handlers on an event loop of their own, R
 default, instead of the loop where Ray receives the replica's requests; opt-in
 `ours-lean-serve`: every Ray process of the app with `LEAN_SERVE_ENV`; opt-in
 `ours-tokenize-inline`: every prompt tokenized on the replica's event loop, none on its
-tokenizer threads (`tokenize_inline_chars`).
+tokenizer threads (`tokenize_inline_chars`); opt-in `ours-switch-0.5`: the replica's
+Python threads switching every 0.5 ms instead of 5 (`switch_interval_ms`).
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -165,6 +166,8 @@ VARIANTS = {
     "ours-engine-threads-1": Variant("engine at OMP_NUM_THREADS=1", {"engine_threads": 1}, {"engine_threads": 1}),
     "ours-tokenize-inline": Variant("tokenized on the loop", {"tokenize_inline_chars": 1 << 30},
                                     {"tokenize_inline_chars": 1 << 30}, workloads=("random", "prefix")),
+    "ours-switch-0.5": Variant("0.5 ms thread switch interval", {"switch_interval_ms": 0.5},
+                               {"switch_interval_ms": 0.5}, workloads=("random", "prefix")),
 }
 
 

@@ -80,6 +80,12 @@ class AppArgs(BaseModel):
                                "threads, where prompts that arrive together tokenize in parallel "
                                "and the loop serves other requests meanwhile, but each result "
                                "waits for the GIL while the loop is busy")
+    switch_interval_ms: Optional[float] = Field(
+        None, gt=0, description="Python's thread switch interval (sys.setswitchinterval) in each "
+                                "replica that answers HTTP or holds an engine: how long a thread "
+                                "that wants the GIL (Ray's, the engine's sender and receiver, a "
+                                "tokenizer's) may wait while another runs Python; null keeps "
+                                "Python's 5 ms")
     stream_interval_ms: float = Field(
         50.0, ge=0, description="after a stream's first chunk, at most one chunk per interval per "
                                 "request (the last at once): each chunk costs a Ray message through "
@@ -186,12 +192,14 @@ def build_app(args: AppArgs) -> serve.Application:
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_prompt_tokens": args.max_prompt_tokens, "default_max_tokens": args.default_max_tokens,
         "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
-        "tokenize_inline_chars": args.tokenize_inline_chars, "created": int(time.time()),
+        "tokenize_inline_chars": args.tokenize_inline_chars, "switch_interval_ms": args.switch_interval_ms,
+        "created": int(time.time()),
     }
     server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,
                    "pin_cpus": args.pin_cpus, "max_stream_chunks_per_s": args.max_stream_chunks_per_s,
                    "engine_process": args.engine_process, "engine_nice": args.engine_nice,
-                   "engine_threads": args.engine_threads, "stall_timeout_s": args.engine_stall_timeout_s}
+                   "engine_threads": args.engine_threads, "stall_timeout_s": args.engine_stall_timeout_s,
+                   "switch_interval_ms": args.switch_interval_ms}
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.share_replica_loop else {}
     store = None
     if args.response_store.enabled:

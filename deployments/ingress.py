@@ -28,6 +28,7 @@ from runtime.models.loader import load_tokenizer
 from runtime.structured_output import grammar_checked, reasoning_state, think_markers
 
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
+from .llm_server import set_switch_interval
 from .metrics import Metrics, RequestTimer
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        chat_prompt_ids, error_body)
@@ -110,6 +111,7 @@ class OpenAIIngress:
         self.store = StoreClient(store) if store is not None else None
         self._background: dict[str, asyncio.Task] = {}   # background responses running here, by id
         self.s = settings
+        set_switch_interval(settings.get("switch_interval_ms"))
         self.model_name = settings["served_model_name"]
         self.api_keys = [k.encode() for k in settings.get("api_keys") or []]
         self.tokenizer = load_tokenizer(settings["model"])

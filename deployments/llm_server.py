@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import uuid
 from dataclasses import replace
 from functools import partial
@@ -86,6 +87,15 @@ def engine_env(threads: int | None, pin_cpus: int | None) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads or pin_cpus or os.cpu_count() or 1)}
 
 
+def set_switch_interval(ms: float | None) -> None:
+    """This process's thread switch interval, where `ms` is given. A replica runs Python
+    on several threads (its event loop, Ray's callbacks, the engine's sender and
+    receiver, tokenizers), and a thread that wants the GIL while another runs waits up
+    to the interval (5 ms by default) before it is handed over."""
+    if ms is not None:
+        sys.setswitchinterval(ms / 1e3)
+
+
 def rank_cpus(rank: int, per_replica: int, num_cpus: int) -> set[int]:
     return {(rank * per_replica + i) % num_cpus for i in range(per_replica)}
 
@@ -99,7 +109,9 @@ class LLMServer:
     def __init__(self, engine_config: dict, stream_interval_s: float = 0.0,
                  pin_cpus: int | None = None, max_stream_chunks_per_s: float = 0.0,
                  engine_process: bool = True, engine_nice: int | None = 0,
-                 engine_threads: int | None = None, stall_timeout_s: float | None = None):
+                 engine_threads: int | None = None, stall_timeout_s: float | None = None,
+                 switch_interval_ms: float | None = None):
+        set_switch_interval(switch_interval_ms)
         rank = 0
         try:
             from ray import serve

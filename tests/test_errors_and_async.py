@@ -576,6 +576,30 @@ def test_prompts_past_the_apps_inline_limit_are_tokenized_on_threads():
         ingress._tokenize_pool.shutdown()
 
 
+def test_the_apps_switch_interval_reaches_the_replica_process(default_model):
+    """`switch_interval_ms` reaches both halves of the app from its arguments, and a
+    colocated replica runs with it; unset, Python's own interval stays."""
+    import sys
+
+    from deployments.app import AppArgs, build_app
+    from deployments.colocated import ColocatedServer
+
+    split = build_app(AppArgs(switch_interval_ms=0.5))._bound_deployment
+    assert split.init_args[1]["switch_interval_ms"] == 0.5                 # the ingress's settings
+    assert split.init_args[0]._bound_deployment.init_kwargs["switch_interval_ms"] == 0.5   # LLMServer's
+    before = sys.getswitchinterval()
+    for ms, want in ((None, before), (0.5, 0.0005)):
+        bound = build_app(AppArgs(colocate=True, switch_interval_ms=ms,
+                                  engine={"num_gpu_blocks": 32, "device": "cpu"}))._bound_deployment
+        server_args, settings = bound.init_args[:2]
+        server = ColocatedServer({**server_args, "engine_nice": None}, {**settings, "model": default_model})
+        try:
+            assert sys.getswitchinterval() == pytest.approx(want)
+        finally:
+            server.server.engine.shutdown(timeout=5)
+            sys.setswitchinterval(before)
+
+
 def test_ingress_answers_a_failed_step_with_503():
     """The replica's error item for a request aborted by a failed step or a dead engine
     becomes 503 with Retry-After (a retry can succeed); a bad request stays 400."""
