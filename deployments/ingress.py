@@ -74,7 +74,9 @@ def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None)
         parts = [renamed.get(parts[0], parts[0])]
     loc = ".".join(parts) or None
     kind, msg = err.get("type"), err.get("msg", "invalid request")
-    if kind == "literal_error":
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")   # our validators' own sentences
+    elif kind == "literal_error":
         msg = f"{msg}, not {err.get('input')!r}"
     elif kind == "union_tag_invalid":
         ctx = err.get("ctx") or {}

@@ -2,7 +2,7 @@
 translation to the engine's `SamplingParams`."""
 
 import json
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -14,6 +14,16 @@ from .tools import constraint as tool_constraint
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def refused(reason: str):
+    """The type of an OpenAI field this server cannot honour: null passes, since some
+    clients send every field they know, and any value is a 400 that says why."""
+    def check(v):
+        if v is not None:
+            raise ValueError(reason)
+        return v
+    return Annotated[Any, AfterValidator(check)]
 
 
 class StreamOptions(_Strict):
@@ -402,12 +412,33 @@ class Bookkeeping(_Strict):
     safety_identifier: str | None = None
 
 
+NoAudio = refused("audio output is not supported: this server answers in text")
+NoWebSearch = refused("web search is not supported: this server has no built-in tools")
+NoFunctions = refused("functions is OpenAI's deprecated form of tools: send tools")
+NoFunctionCall = refused("function_call is OpenAI's deprecated form of tool_choice: send tool_choice")
+
+
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat, which there
+    only makes the answer come sooner, never changes it; accepted and left unused."""
+
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+
 class ChatCompletionRequest(_Sampling, _ChatTemplate, Bookkeeping):
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's: the template gets it as the variable `reasoning_effort` (gpt-oss's
     # template reads it; templates that do not are unchanged).
     reasoning_effort: Effort | None = None
+    # OpenAI's length hint; no open chat template reads it (as Responses' `text.verbosity`).
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: Prediction | None = None
     modalities: list[Literal["text"]] | None = None   # text is the only one
+    audio: NoAudio = None
+    web_search_options: NoWebSearch = None
+    functions: NoFunctions = None
+    function_call: NoFunctionCall = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

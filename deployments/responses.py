@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from .protocol import Bookkeeping, Effort, _Strict
+from .protocol import Bookkeeping, Effort, _Strict, refused
 
 TEXT_LOGPROBS = "message.output_text.logprobs"
 
@@ -164,6 +164,16 @@ class ReasoningConfig(_Strict):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+NoStoredPrompt = refused("stored prompts are not supported: send input and instructions")
+
+
+class ResponsesStreamOptions(_Strict):
+    """`include_obfuscation` pads OpenAI's delta events against length side channels;
+    accepted, and the events here carry no padding."""
+
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(Bookkeeping):
     model: str
     input: Union[str, list[InputItem]]
@@ -184,6 +194,9 @@ class ResponsesRequest(Bookkeeping):
     previous_response_id: str | None = None
     conversation: Union[str, ConversationRef, None] = None
     background: bool = False
+    max_tool_calls: int | None = Field(default=None, ge=1)   # caps built-in tool calls, of which there are none here
+    stream_options: ResponsesStreamOptions | None = None
+    prompt: NoStoredPrompt = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -195,6 +208,8 @@ class ResponsesRequest(Bookkeeping):
             raise ValueError("a background response is read back from the store: store must not be false")
         if self.background and self.stream:
             raise ValueError("a background response is not streamed here: poll GET /v1/responses/{id}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     @property

@@ -134,17 +134,30 @@ def test_chat_matches_engine(client, engine):
 
 def test_chat_takes_openais_bookkeeping_fields(client, server, front):
     """`store`, `metadata`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention`,
-    `safety_identifier` and text-only `modalities`, which some clients always send, change
-    nothing; another modality, or retention, is a 400."""
+    `safety_identifier`, text-only `modalities`, `verbosity` and a `prediction`, which
+    some clients always send, change nothing, nor do null `audio`, `web_search_options`,
+    `functions` and `function_call`; another modality, or retention, is a 400, and so is
+    any value of those four, saying why."""
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
     plain = client.chat.completions.create(**kw).choices[0].message.content
     r = client.chat.completions.create(**kw, store=False, metadata={"team": "a"}, service_tier="auto",
                                        prompt_cache_key="k1", prompt_cache_retention="24h", safety_identifier="u1",
-                                       modalities=["text"])
+                                       modalities=["text"], verbosity="low",
+                                       prediction={"type": "content", "content": "Hello there"},
+                                       audio=None, web_search_options=None, functions=None, function_call=None)
     assert r.choices[0].message.content == plain
-    for field, value in (("modalities", ["audio"]), ("prompt_cache_retention", "forever")):
+    refused = {"audio": ({"voice": "alloy", "format": "wav"},
+                         "audio output is not supported: this server answers in text"),
+               "web_search_options": ({}, "web search is not supported: this server has no built-in tools"),
+               "functions": ([{"name": "f", "parameters": {"type": "object"}}],
+                             "functions is OpenAI's deprecated form of tools: send tools"),
+               "function_call": ("auto", "function_call is OpenAI's deprecated form of tool_choice: send tool_choice")}
+    for field, value in [("modalities", ["audio"]), ("prompt_cache_retention", "forever"),
+                         *((f, v) for f, (v, _) in refused.items())]:
         bad = httpx.post(server.urls[front] + "/v1/chat/completions", json={**kw, field: value})
         assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(field)
+        if field in refused:
+            assert bad.json()["error"]["message"] == f"{field}: {refused[field][1]}"
 
 
 def test_chat_stream_with_usage_and_content_parts(client):

@@ -72,10 +72,23 @@ def test_tools_choice_and_format_become_the_chat_fields():
     {"include": ["file_search_call.results"]},
     {"temperature": 3},
     {"top_logprobs": 21},
+    {"prompt": {"id": "pmpt_1"}},
+    {"stream_options": {"include_obfuscation": False}},
+    {"max_tool_calls": 0},
 ])
 def test_what_cannot_be_served_is_refused(bad):
     with pytest.raises(ValidationError):
         _request(**bad)
+
+
+def test_fields_that_change_nothing_here_are_taken():
+    """OpenAI's fields that shape nothing this server makes: a cap on built-in tool calls
+    (it has none), stream padding, and a null stored prompt."""
+    plain = _request(max_output_tokens=4).chat_body()
+    assert _request(max_output_tokens=4, max_tool_calls=2, prompt=None).chat_body() == plain
+    streamed = _request(max_output_tokens=4, stream=True)
+    assert _request(max_output_tokens=4, stream=True, stream_options={"include_obfuscation": True}).chat_body() \
+        == streamed.chat_body()
 
 
 def _parser(mode=None, opened=False):
