@@ -1,6 +1,6 @@
 """A chat choice's text as the API hands it out: `reasoning` (reasoning.py), `content`
 and `tool_calls` (tools.py), whole or as it streams, and the marker hold-back both
-splits share."""
+splits share, and the joining of a tool call's streamed pieces."""
 
 
 def partial_marker(text: str, marker: str) -> int:
@@ -9,6 +9,21 @@ def partial_marker(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def joined_pieces(pieces: list[dict]) -> list[dict]:
+    """Streamed call pieces (a header, then argument pieces, each with its `index`) as
+    one entry a call, in index order, its arguments joined: what a chunk carries, as
+    OpenAI's do (clients that merge chunks by index may not merge within one), and what
+    a whole message is made of."""
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        i = piece["index"]
+        if i in calls:
+            calls[i]["function"]["arguments"] += piece["function"]["arguments"]
+        else:
+            calls[i] = {**piece, "function": dict(piece["function"])}
+    return [calls[i] for i in sorted(calls)]
 
 
 class ChoiceParser:
@@ -39,6 +54,8 @@ class ChoiceParser:
         out: dict = {}
         for kind, value in parts:
             out[kind] = out.get(kind, [] if kind == "tool_calls" else "") + value
+        if "tool_calls" in out:
+            out["tool_calls"] = joined_pieces(out["tool_calls"])
         return out, finish_reason
 
     def parts(self, delta: str, finish_reason: str | None) -> tuple[list[tuple[str, object]], str | None]:

@@ -29,7 +29,7 @@ import uuid
 
 from runtime.structured_output import JSON_OPTIONS, StructuredOutputsParams
 
-from .chat_output import partial_marker
+from .chat_output import joined_pieces, partial_marker
 
 log = logging.getLogger("ray.serve")
 
@@ -224,16 +224,10 @@ class ToolOutput:
         streaming would send, each call's pieces joined."""
         content, pieces = self.feed(text)
         more, more_pieces = self.close()
-        calls: dict[int, dict] = {}
-        for piece in pieces + more_pieces:
-            i = piece.pop("index")
-            if i in calls:
-                calls[i]["function"]["arguments"] += piece["function"]["arguments"]
-            else:
-                calls[i] = piece
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in joined_pieces(pieces + more_pieces)]
         message = {"role": "assistant", "content": (content + more) or None}
         if calls:
-            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+            message["tool_calls"] = calls
         return message, self.finish_reason(finish_reason)
 
     def finish_reason(self, reason: str | None) -> str | None:

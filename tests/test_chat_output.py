@@ -124,6 +124,26 @@ def test_named_streams_arguments_and_required_parses_the_list(tokenizer):
     assert json.loads(call["function"]["arguments"]) == {"zone": 'a}"]{'}
 
 
+def test_a_chunk_carries_one_entry_a_call():
+    """However much text a chunk holds (a paced stream sends several steps' tokens at
+    once), its `tool_calls` has one entry a call, as OpenAI's chunks do: clients that
+    merge chunks by `index` (LangChain's) do not merge entries within one chunk."""
+    listed = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    for size in (5, 40, 60, len(listed)):
+        parser, merged = ChoiceParser(None, ToolOutput("required")), []
+        for i in range(0, len(listed), size):
+            delta, _ = parser.feed(listed[i:i + size], "stop" if i + size >= len(listed) else None)
+            indices = [c["index"] for c in delta.get("tool_calls", [])]
+            assert indices == sorted(set(indices)), (size, delta)
+            for c in delta.get("tool_calls", []):   # across chunks, merged by index
+                if c["index"] < len(merged):
+                    merged[c["index"]]["arguments"] += c["function"]["arguments"]
+                else:
+                    merged.append({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        assert [(c["name"], json.loads(c["arguments"])) for c in merged] == \
+            [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Paris"})]
+
+
 @pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("named", True)])
 def test_forced_choices_make_calls_the_engine_can_only_write_validly(engine, choice, parallel):
     """Sampled at temperature 1 on the embedded model, the constrained output always
