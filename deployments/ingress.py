@@ -64,10 +64,13 @@ _RESPONSES_PARAMS = {"messages": "input", "response_format": "text", "max_comple
                      "max_tokens": "max_output_tokens", "prompt": "input"}
 
 
-def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None) -> HTTPError:
+def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None,
+                      fields=()) -> HTTPError:
     """`renamed`: the client's names for fields of a body made from its own. Of the
     errors of a union's members, the deepest one says what the client got wrong (a
-    content part of an unsupported type, not that content is not a string)."""
+    content part of an unsupported type, not that content is not a string). An error
+    of the whole body (a check across fields) names as its `param` the field among
+    `fields` its sentence begins with, as OpenAI's errors name one."""
     err = max(e.errors(), key=lambda x: len(x.get("loc", ())))
     parts = _fields(err.get("loc", ()))
     if renamed and parts:
@@ -87,6 +90,9 @@ def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None)
         msg = f"unknown field {loc!r}"
     elif loc:
         msg = f"{loc}: {msg}"
+    elif msg.split(" ", 1)[0] in fields:
+        loc = msg.split(" ", 1)[0]
+        loc = (renamed or {}).get(loc, loc)
     return HTTPError(400, msg, param=loc)
 
 
@@ -172,7 +178,7 @@ class OpenAIIngress:
         try:
             return model_cls.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise _validation_error(e, fields=model_cls.model_fields) from None
 
     async def _check_constraint(self, body) -> None:
         """400 for a body whose structured output grammar llguidance rejects. A grammar
@@ -609,7 +615,7 @@ class OpenAIIngress:
         try:
             return ChatCompletionRequest.model_validate(body.chat_body())
         except ValidationError as e:
-            raise _validation_error(e, _RESPONSES_PARAMS) from None
+            raise _validation_error(e, _RESPONSES_PARAMS, ChatCompletionRequest.model_fields) from None
 
     async def _fitting_ids(self, body: ResponsesRequest) -> list[int] | None:
         """The request's prompt token ids if the prompt and its output fit the model's

@@ -698,6 +698,18 @@ def test_error_classes(server, front):
     assert err["param"] == "items.function_call.arguments"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "model": "gpt-9"}), 404)
     assert err["code"] == "model_not_found"
+    # A check across fields names the field its sentence is about.
+    tool = {"type": "function", "function": {"name": "f"}}
+    err = _assert_error(_post(server, "/v1/chat/completions", front, {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400)
+    assert err["param"] == "tool_choice" and err["message"].startswith("tool_choice names 'g'")
+    err = _assert_error(_post(server, "/v1/completions", front, {**base, "stream_options": {"include_usage": True}}),
+                        400)
+    assert err["param"] == "stream_options"
+    err = _assert_error(_post(server, "/v1/responses", front, {"model": MODEL, "input": "hi", "stream": False,
+                                                               "stream_options": {}}), 400)
+    assert err["param"] == "stream_options"
     err = _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "word " * 5000}), 400)
     assert err["code"] == "context_length_exceeded" and re.search(r"\d+", err["message"])
     _assert_error(_post(server, "/v1/completions", front, {**base, "prompt": "x" * (70 << 10)}), 413)
