@@ -19,7 +19,7 @@ from .attention.metadata import padded_rows
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
-from .models.loader import kv_geometry
+from .models.loader import kv_geometry, layer_windows
 from .outputs import Logprob
 from .sampling import SampleResult, sample, token_logprobs
 from .scheduler import ScheduledSeq
@@ -90,8 +90,8 @@ class ModelRunner:
             prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)
         log.info("attention backend %s (%s; %s)", self.attention_backend, why, prefill_why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend), prefill_fn=prefill)
-        self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1)
-                       for i in range(num_layers)]
+        self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1, window=w)
+                       for i, w in enumerate(layer_windows(model))]
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
         # to few shapes or does without it (`make_group`).
         self.plan_per_shape = available("cuda")

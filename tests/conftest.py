@@ -27,12 +27,16 @@ MODEL_SPECS = {
                   tie=False),
     "llama-4bit": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384,
                        seed=3, quantize=4),
+    # Sliding-window layers (window 8) around a full-attention one, as Gemma 3 alternates them.
+    "gemma3": dict(arch="gemma3_text", hidden=64, layers=3, heads=4, kv_heads=2, vocab_size=384, seed=4,
+                   sliding_window=8),
 }
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    """Random-weight models with GQA, llama and qwen3, and a 4-bit quantized one."""
+    """Random-weight models with GQA, llama, qwen3 and gemma3 (sliding-window layers),
+    and a 4-bit quantized one."""
     root = tmp_path_factory.mktemp("models")
     return {name: str(make_model(root / name, **spec)) for name, spec in MODEL_SPECS.items()}
 

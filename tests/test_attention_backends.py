@@ -202,6 +202,31 @@ def test_engine_prefix_hits_through_the_prefill_kernel_match_mlx_lm(tmp_path):
     assert off.runner.ctx.prefill_fn is None
 
 
+@needs_cuda
+def test_sliding_window_layers_beside_the_kernels_match_mlx_lm(tmp_path):
+    """Gemma 3's shape on the `cuda` backend: its full-attention layer through the fused
+    kernels (decode and prefix-hit prefill), its sliding-window layers (window 32)
+    through `gather` with the window in the mask; mlx-lm's greedy tokens for prompts
+    many windows long, batched, then prefix hits on one of them."""
+    from runtime.models.tiny import make_model
+
+    path = str(make_model(tmp_path / "g", arch="gemma3_text", hidden=256, layers=3, heads=4, kv_heads=2,
+                          vocab_size=384, seed=6, dtype="bfloat16", sliding_window=32))
+    engine = LLMEngine(EngineConfig(model=path, num_gpu_blocks=256, attention_backend="cuda"))
+    assert [c.window for c in engine.runner.caches] == [32, None, 32]
+    assert engine.runner.ctx.prefill_fn is paged_prefill.paged_prefill
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 380, n).tolist() for n in (7, 150, 300)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for p, o in zip(prompts, engine.generate(prompts, params)):
+        assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 8)]
+    for n in (1, 40):
+        p = prompts[2] + rng.integers(3, 380, n).tolist()
+        (out,) = engine.generate([p], params)
+        assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 8)]
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 2 * 288
+
+
 def test_decode_groups_split_by_length_only_for_padding_backends():
     """gather pads a group to its longest context, so decodes of very different lengths
     go to separate groups; a fused kernel reads each context in place, so they stay one

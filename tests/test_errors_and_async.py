@@ -18,6 +18,8 @@ from runtime.errors import (EmptyPromptError, EngineDeadError, EngineError, Engi
                             InvalidSamplingParamsError, PromptTooLongError, TokenOutOfVocabularyError,
                             UnsupportedModelError, DuplicateRequestError)
 
+from .conftest import reference_greedy
+
 
 @pytest.fixture(scope="module")
 def engine(default_model):
@@ -60,14 +62,41 @@ def test_duplicate_request_id(engine):
     assert engine.stats()["num_blocks_held_by_requests"] == 0
 
 
-def test_sliding_window_model_is_refused(tmp_path, default_model):
+def test_sliding_window_layers_are_served_as_mlx_lm_runs_them(tmp_path, default_model):
+    """A Llama with sliding-window layers (mlx-lm gives them `RotatingKVCache`s) is
+    served, attention held to the window: mlx-lm's greedy tokens for a prompt several
+    windows long."""
     path = tmp_path / "swa"
     shutil.copytree(default_model, path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg.update(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8)
+    cfg.update(layer_types=["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2),
+               sliding_window=8)
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="RotatingKVCache"):
-        LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=8))
+    engine = LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=32, block_size=16))
+    assert [c.window for c in engine.runner.caches] == [8, None] * (cfg["num_hidden_layers"] // 2)
+    ids = list(range(3, 43))
+    out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(str(path), ids, 8)]
+
+
+def test_caches_the_pool_cannot_hold_are_refused():
+    """Chunked attention, a rotating cache that keeps its first tokens, quantized KV:
+    each is a clear error naming the cache, never a silent full-attention layer."""
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    from runtime.models.loader import layer_windows
+
+    class Layers:
+        def __init__(self, caches):
+            self.layers, self._caches = caches, caches
+
+        def make_cache(self):
+            return self._caches
+
+    assert layer_windows(Layers([KVCache(), RotatingKVCache(max_size=8)])) == [None, 8]
+    for odd in (ChunkedKVCache(16), RotatingKVCache(max_size=8, keep=4), QuantizedKVCache()):
+        with pytest.raises(UnsupportedModelError, match=type(odd).__name__):
+            layer_windows(Layers([KVCache(), odd]))
 
 
 def test_unknown_architecture_is_refused(tmp_path, default_model):

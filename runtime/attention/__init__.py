@@ -12,6 +12,7 @@ through a fused kernel of their own (paged_prefill.py, `prefill_fn`).
 import logging
 import sys
 import time
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -158,10 +159,14 @@ def _cannot_run(name: str, heads: int, kv_heads: int, head_dim: int) -> str | No
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata,
                     scale: float, attend: AttendFn, sinks: mx.array | None = None,
-                    prefill: AttendFn | None = None) -> mx.array:
+                    prefill: AttendFn | None = None, window: int | None = None) -> mx.array:
     """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group; rows
     that pad the batch (`meta.pad_rows`) get zeros. `prefill` (`prefill_fn`) takes the
-    short prefill groups it serves, in their packed rows."""
+    short prefill groups it serves, in their packed rows. A sliding-window layer
+    (`window`) goes through `gather` with the window in its mask: the fused kernels
+    attend whole contexts."""
+    if window is not None:
+        attend, prefill = partial(gather.attend_group, window=window), None
     outs = []
     whole = len(meta.groups) == 1 and not meta.pad_rows
     for g in meta.groups:

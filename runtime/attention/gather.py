@@ -68,13 +68,15 @@ def _gather_on_cuda(pool: mx.array) -> bool:
 
 
 def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
-                 scale: float, block_size: int, sinks: mx.array | None = None) -> mx.array:
-    """q: (B, H, Lq, D) -> (B, H, Lq, D)."""
+                 scale: float, block_size: int, sinks: mx.array | None = None,
+                 window: int | None = None) -> mx.array:
+    """q: (B, H, Lq, D) -> (B, H, Lq, D). `window`: a sliding-window layer's, which
+    attends each query's last `window` keys."""
     k = gather_kv(k_pool, g.block_tables, block_size)
     v = gather_kv(v_pool, g.block_tables, block_size)
     if g.unfused and sinks is None:
-        return attend_unfused(q, k, v, g.additive_mask(q.dtype, grouped=True), scale)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=g.additive_mask(q.dtype),
+        return attend_unfused(q, k, v, g.additive_mask(q.dtype, grouped=True, window=window), scale)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=g.additive_mask(q.dtype, window=window),
                                                 sinks=sinks)
 
 

@@ -91,17 +91,23 @@ class GroupMetadata:
     def single_query(self) -> bool:
         return self.query_pos.shape[1] == 1
 
-    def additive_mask(self, dtype: mx.Dtype, grouped: bool = False) -> mx.array:
+    def additive_mask(self, dtype: mx.Dtype, grouped: bool = False, window: int | None = None) -> mx.array:
         """`mask` as 0 where a query may attend and `dtype`'s lowest value elsewhere,
         made once for all layers; `grouped`: shaped (B, 1, 1, Lq, S) for scores kept per
-        KV head and query head of its group (`gather.attend_unfused`). MLX's fused
-        attention on CUDA ran 3-4x slower with the boolean mask (H200,
-        `bench/prefill_mask.py`: a prefill group of 8 prefix hits over 2k-token contexts,
-        0.88 vs 0.23 ms a layer; 8 whole 2k prompts, 20.8 vs 4.6 ms)."""
-        m = self._additive.get((dtype, grouped))
+        KV head and query head of its group (`gather.attend_unfused`); `window`: only
+        the last `window` keys up to each query's own, as mlx-lm's sliding-window masks
+        (the gathered keys sit at their positions). MLX's fused attention on CUDA ran
+        3-4x slower with the boolean mask (H200, `bench/prefill_mask.py`: a prefill group
+        of 8 prefix hits over 2k-token contexts, 0.88 vs 0.23 ms a layer; 8 whole 2k
+        prompts, 20.8 vs 4.6 ms)."""
+        m = self._additive.get((dtype, grouped, window))
         if m is None:
-            m = mx.where(self.mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
-            self._additive[(dtype, grouped)] = m = m[:, :, None] if grouped else m
+            allowed = self.mask
+            if window is not None:
+                keys = mx.arange(self.mask.shape[-1], dtype=self.query_pos.dtype)
+                allowed = allowed & (keys > self.query_pos[:, None, :, None] - window)
+            m = mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+            self._additive[(dtype, grouped, window)] = m = m[:, :, None] if grouped else m
         return m
 
 

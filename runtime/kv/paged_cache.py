@@ -76,13 +76,16 @@ class StepContext:
 class PagedLayerCache:
     """The mlx-lm cache interface (`offset`, `update_and_fetch`, `make_mask`) over one
     layer of the pool. `attended` counts calls of `attend`, so the runner can tell
-    whether a model really routed its attention through us."""
+    whether a model really routed its attention through us. `window`: a sliding-window
+    layer's (its last `window` tokens), None for full attention."""
 
-    def __init__(self, pool: KVPool, layer: int, ctx: StepContext, last: bool = False):
+    def __init__(self, pool: KVPool, layer: int, ctx: StepContext, last: bool = False,
+                 window: int | None = None):
         self.pool = pool
         self.layer = layer
         self.ctx = ctx
         self.last = last
+        self.window = window
         self.attended = 0
 
     @property
@@ -107,11 +110,12 @@ class PagedLayerCache:
         self.attended += 1
         k, v, ctx = self.pool.keys[self.layer], self.pool.values[self.layer], self.ctx
         if not self.last or ctx.sampled is None:
-            return paged_attention(queries, k, v, ctx.meta, scale, ctx.attend_fn, sinks, ctx.prefill_fn)
+            return paged_attention(queries, k, v, ctx.meta, scale, ctx.attend_fn, sinks, ctx.prefill_fn,
+                                   self.window)
         rows = ctx.sampled.rows
         out = mx.zeros(queries.shape, queries.dtype)
         out[rows] = paged_attention(queries[rows], k, v, ctx.sampled.meta, scale, ctx.attend_fn, sinks,
-                                    ctx.prefill_fn)
+                                    ctx.prefill_fn, self.window)
         return out
 
     def empty(self) -> bool:

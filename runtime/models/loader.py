@@ -44,20 +44,38 @@ def load_tokenizer(path_or_repo: str):
 
 
 def check_supported(model, config: dict) -> None:
-    """Only plain full-attention KV caches map onto blocks. Sliding-window, chunked,
-    quantized-KV and recurrent (SSM) caches are refused with a clear message."""
-    from mlx_lm.models.cache import KVCache
-
-    model_type = config.get("model_type", type(model).__module__)
-    caches = model.make_cache() if hasattr(model, "make_cache") else None
-    if caches is not None:
-        for i, c in enumerate(caches):
-            if type(c) is not KVCache:
-                raise UnsupportedModelError(
-                    f"model type {model_type!r} uses {type(c).__name__} at layer {i}; the paged "
-                    "engine supports full-attention KV caches only (no sliding-window or SSM state)")
+    """Full-attention and sliding-window KV caches map onto blocks (`layer_windows`).
+    Chunked, quantized-KV and recurrent (SSM) caches are refused with a clear message."""
+    layer_windows(model, config.get("model_type"))
     if not hasattr(model, "layers") or not hasattr(model, "args"):
-        raise UnsupportedModelError(f"model type {model_type!r} does not expose layers and args")
+        raise UnsupportedModelError(f"model type {config.get('model_type', type(model).__module__)!r} "
+                                    "does not expose layers and args")
+
+
+def layer_windows(model, model_type: str | None = None) -> list[int | None]:
+    """Each layer's attention window, from the caches mlx-lm makes for the model: None
+    for a full-attention `KVCache`, W for a `RotatingKVCache` of `max_size` W (and no
+    kept prefix), whose layer attends its last W tokens (Gemma 2 and 3, gpt-oss, Mistral's
+    sliding layers). The paged engine keeps such a layer's whole context in its blocks
+    and masks attention to the window, so prefixes stay shareable."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    model_type = model_type or type(model).__module__
+    caches = model.make_cache() if hasattr(model, "make_cache") else None
+    if caches is None:
+        return [None] * len(model.layers)
+    windows = []
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            windows.append(None)
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            windows.append(int(c.max_size))
+        else:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} uses {type(c).__name__} at layer {i}; the paged engine "
+                "supports full-attention and sliding-window KV caches only (no chunked, quantized "
+                "or SSM state)")
+    return windows
 
 
 def kv_geometry(model) -> tuple[int, int, int]:

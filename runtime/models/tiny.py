@@ -8,6 +8,7 @@ hundred steps, so greedy outputs are words rather than one repeated token.
 
     python -m runtime.models.tiny OUT --arch llama --hidden 128 --layers 4
     python -m runtime.models.tiny OUT --arch qwen3 --quantize 4
+    python -m runtime.models.tiny OUT --arch gemma3_text --sliding-window 8
     python -m runtime.models.tiny OUT --train-steps 300
 """
 
@@ -70,8 +71,13 @@ def build_tokenizer(out: Path, vocab_size: int, added_tokens: tuple[str, ...] = 
     return tok.get_vocab_size()
 
 
+ARCHS = ("llama", "qwen3", "gemma3_text")
+
+
 def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
-                 kv_heads: int, context: int, tie: bool, intermediate: int | None = None) -> dict:
+                 kv_heads: int, context: int, tie: bool, intermediate: int | None = None,
+                 sliding_window: int = 8) -> dict:
+    """`sliding_window`: gemma3_text's sliding layers' window (every other layer is one)."""
     head_dim = hidden // heads
     config = {
         "model_type": arch,
@@ -93,8 +99,11 @@ def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
         config["architectures"] = ["LlamaForCausalLM"]
     elif arch == "qwen3":
         config["architectures"] = ["Qwen3ForCausalLM"]
+    elif arch == "gemma3_text":
+        config.update(architectures=["Gemma3ForCausalLM"], sliding_window=sliding_window, sliding_window_pattern=2,
+                      query_pre_attn_scalar=head_dim, rope_local_base_freq=10000.0)
     else:
-        raise ValueError(f"unknown arch {arch!r}: choose llama or qwen3")
+        raise ValueError(f"unknown arch {arch!r}: choose {', '.join(ARCHS)}")
     return config
 
 
@@ -127,14 +136,14 @@ def make_model(out, arch: str = "llama", hidden: int = 128, layers: int = 4,
                context: int = 4096, tie: bool = True, seed: int = 0,
                dtype: str = "float32", quantize: int | None = None,
                train_steps: int = 0, intermediate: int | None = None,
-               added_tokens: tuple[str, ...] = ()) -> Path:
+               added_tokens: tuple[str, ...] = (), sliding_window: int = 8) -> Path:
     """Write a model directory and return its path."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, vocab_size, tuple(added_tokens))
-    config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie, intermediate)
+    config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie, intermediate, sliding_window)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -154,7 +163,7 @@ def make_model(out, arch: str = "llama", hidden: int = 128, layers: int = 4,
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
+    p.add_argument("--arch", default="llama", choices=ARCHS)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, help="MLP width (default 2 x hidden)")
@@ -167,10 +176,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--quantize", type=int, choices=[4, 8])
     p.add_argument("--train-steps", type=int, default=0)
+    p.add_argument("--sliding-window", type=int, default=8, help="gemma3_text: its sliding layers' window")
     a = p.parse_args(argv)
     path = make_model(a.out, a.arch, a.hidden, a.layers, a.heads, a.kv_heads, a.vocab_size,
                       a.context, not a.untied, a.seed, a.dtype, a.quantize, a.train_steps,
-                      a.intermediate)
+                      a.intermediate, sliding_window=a.sliding_window)
     n = sum(v.size for _, v in tree_flatten(mx.load(str(path / "model.safetensors"))))
     print(f"wrote {path} ({n:,} stored values)")
 
