@@ -30,13 +30,16 @@ MODEL_SPECS = {
     # Sliding-window layers (window 8) around a full-attention one, as Gemma 3 alternates them.
     "gemma3": dict(arch="gemma3_text", hidden=64, layers=3, heads=4, kv_heads=2, vocab_size=384, seed=4,
                    sliding_window=8),
+    # gpt-oss's: sliding and full layers alternating, attention sinks, a mixture of experts.
+    "gpt-oss": dict(arch="gpt_oss", hidden=64, layers=4, heads=4, kv_heads=2, vocab_size=384, seed=5,
+                    sliding_window=8, tie=False),
 }
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    """Random-weight models with GQA, llama, qwen3 and gemma3 (sliding-window layers),
-    and a 4-bit quantized one."""
+    """Random-weight models with GQA, llama, qwen3, gemma3 and gpt-oss (sliding-window
+    layers; gpt-oss's with sinks), and a 4-bit quantized one."""
     root = tmp_path_factory.mktemp("models")
     return {name: str(make_model(root / name, **spec)) for name, spec in MODEL_SPECS.items()}
 

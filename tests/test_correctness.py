@@ -19,7 +19,7 @@ from runtime.kv.paged_cache import PagedLayerCache
 
 from .conftest import make_lora_adapter, needs_rope16_launch, reference_greedy
 
-TOL = {"llama": 2e-4, "qwen3": 2e-4, "llama-4bit": 4e-3, "gemma3": 2e-4}
+TOL = {"llama": 2e-4, "qwen3": 2e-4, "llama-4bit": 4e-3, "gemma3": 2e-4, "gpt-oss": 2e-4}
 MAX_TOKENS = 12
 
 
@@ -62,7 +62,7 @@ def _staggered(engine, prompts, every: int, count) -> dict:
     return outs
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-4bit", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-4bit", "gemma3", "gpt-oss"])
 def arch(request, model_dirs):
     return request.param, model_dirs[request.param]
 

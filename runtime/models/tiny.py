@@ -9,6 +9,7 @@ hundred steps, so greedy outputs are words rather than one repeated token.
     python -m runtime.models.tiny OUT --arch llama --hidden 128 --layers 4
     python -m runtime.models.tiny OUT --arch qwen3 --quantize 4
     python -m runtime.models.tiny OUT --arch gemma3_text --sliding-window 8
+    python -m runtime.models.tiny OUT --arch gpt_oss --layers 4
     python -m runtime.models.tiny OUT --train-steps 300
 """
 
@@ -71,13 +72,15 @@ def build_tokenizer(out: Path, vocab_size: int, added_tokens: tuple[str, ...] = 
     return tok.get_vocab_size()
 
 
-ARCHS = ("llama", "qwen3", "gemma3_text")
+ARCHS = ("llama", "qwen3", "gemma3_text", "gpt_oss")
 
 
 def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
                  kv_heads: int, context: int, tie: bool, intermediate: int | None = None,
                  sliding_window: int = 8) -> dict:
-    """`sliding_window`: gemma3_text's sliding layers' window (every other layer is one)."""
+    """`sliding_window`: the window of gemma3_text's and gpt_oss's sliding layers (every
+    other layer is one; gpt_oss's others attend with sinks too, and its MLP is 4 experts,
+    2 a token)."""
     head_dim = hidden // heads
     config = {
         "model_type": arch,
@@ -102,6 +105,10 @@ def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
     elif arch == "gemma3_text":
         config.update(architectures=["Gemma3ForCausalLM"], sliding_window=sliding_window, sliding_window_pattern=2,
                       query_pre_attn_scalar=head_dim, rope_local_base_freq=10000.0)
+    elif arch == "gpt_oss":
+        config.update(architectures=["GptOssForCausalLM"], sliding_window=sliding_window, num_local_experts=4,
+                      num_experts_per_tok=2, layer_types=[("sliding_attention", "full_attention")[i % 2]
+                                                          for i in range(layers)])
     else:
         raise ValueError(f"unknown arch {arch!r}: choose {', '.join(ARCHS)}")
     return config
@@ -176,7 +183,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--quantize", type=int, choices=[4, 8])
     p.add_argument("--train-steps", type=int, default=0)
-    p.add_argument("--sliding-window", type=int, default=8, help="gemma3_text: its sliding layers' window")
+    p.add_argument("--sliding-window", type=int, default=8, help="gemma3_text, gpt_oss: the sliding layers' window")
     a = p.parse_args(argv)
     path = make_model(a.out, a.arch, a.hidden, a.layers, a.heads, a.kv_heads, a.vocab_size,
                       a.context, not a.untied, a.seed, a.dtype, a.quantize, a.train_steps,
