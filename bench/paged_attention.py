@@ -27,25 +27,30 @@ from bench.bench_continuous_vs_static import RESULTS, copy_bandwidth  # noqa: E4
 from runtime.attention import BACKENDS, KERNELS, available, decode_problem  # noqa: E402
 
 
+def median_call_s(call, q: mx.array, chain: int, repeats: int) -> float:
+    """Seconds a call of `call(x) -> x` takes, as the median over `repeats` chains of
+    `chain` calls, each call's output the next one's query, as in a model's layers."""
+    def run():
+        x = q
+        for _ in range(chain):
+            x = call(x)
+        return x
+
+    mx.eval(run())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(run())
+        times.append((time.perf_counter() - t) / chain)
+    return statistics.median(times)
+
+
 def time_backend(name: str, batch: int, context: int, args) -> dict:
     dtype = getattr(mx, args.dtype)
     q, k, v, g = decode_problem(batch, context, args.heads, args.kv_heads, args.head_dim,
                                 args.block_size, dtype)
     fn, scale = BACKENDS[name], args.head_dim ** -0.5
-
-    def chain():
-        x = q
-        for _ in range(args.chain):
-            x = fn(x, k, v, g, scale, args.block_size)
-        return x
-
-    mx.eval(chain())
-    times = []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        mx.eval(chain())
-        times.append((time.perf_counter() - t) / args.chain)
-    per_call = statistics.median(times)
+    per_call = median_call_s(lambda x: fn(x, k, v, g, scale, args.block_size), q, args.chain, args.repeats)
     keys = int(mx.sum(g.context_lens).item())
     kv_bytes = 2 * keys * args.kv_heads * args.head_dim * dtype.size
     return {"backend": name, "batch": batch, "context": context, "us_per_call": per_call * 1e6,

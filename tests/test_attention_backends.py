@@ -206,8 +206,9 @@ def test_engine_prefix_hits_through_the_prefill_kernel_match_mlx_lm(tmp_path):
 def test_sliding_window_layers_beside_the_kernels_match_mlx_lm(tmp_path):
     """Gemma 3's shape on the `cuda` backend: its full-attention layer through the fused
     kernels (decode and prefix-hit prefill), its sliding-window layers (window 32)
-    through `gather` with the window in the mask; mlx-lm's greedy tokens for prompts
-    many windows long, batched, then prefix hits on one of them."""
+    through `gather`, reading their windows' blocks; mlx-lm's greedy tokens for prompts
+    many windows long, then prefix hits on one of them, one request at a time as the
+    bfloat16 test above runs them."""
     from runtime.models.tiny import make_model
 
     path = str(make_model(tmp_path / "g", arch="gemma3_text", hidden=256, layers=3, heads=4, kv_heads=2,
@@ -217,14 +218,72 @@ def test_sliding_window_layers_beside_the_kernels_match_mlx_lm(tmp_path):
     assert engine.runner.ctx.prefill_fn is paged_prefill.paged_prefill
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 380, n).tolist() for n in (7, 150, 300)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for p, o in zip(prompts, engine.generate(prompts, params)):
-        assert o.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 8)]
-    for n in (1, 40):
-        p = prompts[2] + rng.integers(3, 380, n).tolist()
+    prompts += [prompts[2] + rng.integers(3, 380, n).tolist() for n in (1, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for p in prompts:
         (out,) = engine.generate([p], params)
-        assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 8)]
+        assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(path, p, 6)]
     assert engine.stats()["prefix_cache_hit_tokens"] >= 2 * 288
+
+
+def _windowed_reference(q, k_pool, v_pool, tables, starts, lengths, block_size, scale, window, sinks=None):
+    """Each token row's attention over its sequence's last `window` keys up to its own,
+    one row at a time from the pool's slots (with `sinks`, each head's sink logit joins
+    the softmax)."""
+    heads, kv_heads = q.shape[1], k_pool.shape[1]
+    out, row = [], 0
+    for table, start, n in zip(tables, starts, lengths):
+        for p in range(start, start + n):
+            pos = np.arange(max(0, p - window + 1), p + 1)
+            slots = mx.array(np.asarray(table)[pos // block_size] * block_size + pos % block_size)
+            k, v = k_pool[slots], v_pool[slots]                               # (S, Hkv, D)
+            kh = mx.repeat(k, heads // kv_heads, axis=1).transpose(1, 0, 2)   # (H, S, D)
+            vh = mx.repeat(v, heads // kv_heads, axis=1).transpose(1, 0, 2)
+            scores = (q[row, :, 0, None, :] @ kh.swapaxes(1, 2)) * scale                  # (H, 1, S)
+            if sinks is not None:
+                scores = mx.concatenate([sinks[:, None, None], scores], axis=-1)
+            w = mx.softmax(scores, axis=-1)
+            out.append(((w[..., 1:] if sinks is not None else w) @ vh)[:, 0])
+            row += 1
+    return mx.stack(out)[:, :, None]
+
+
+@pytest.mark.parametrize("plan_per_shape, split_decodes", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 1000])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_sliding_window_layer_reads_its_window_and_matches_attention_over_it(window, plan_per_shape,
+                                                                               split_decodes, with_sinks):
+    """A sliding-window layer's attention through `gather`, which reads only the blocks
+    of each sequence's window (`GroupMetadata.windowed`), against attention over each
+    token's last `window` keys computed one row at a time: decodes of long and short
+    contexts, prefix-hit chunks and a whole prompt, in groups padded for per-shape plans
+    (padding queries and sequences included) or not, decodes of all lengths in one group
+    (as a fused kernel's backend groups them) or not, windows inside a block and past
+    the context; with attention sinks (gpt-oss's) or without."""
+    rng = np.random.default_rng(window)
+    bs, heads, kv_heads, d = 8, 4, 2, 16
+    seqs = [(300, 1), (97, 1), (6, 1), (0, 1), (150, 20), (61, 3), (0, 45), (50, 30)]   # (start, new tokens)
+    seqs.sort(key=lambda sn: sort_key(sn[1], sn[0] + sn[1]))
+    starts, lengths = [st for st, _ in seqs], [n for _, n in seqs]
+    perm, tables, at = rng.permutation(200), [], 0
+    for st, n in seqs:
+        need = -(-(st + n) // bs)
+        tables.append(perm[at:at + need].tolist())
+        at += need
+    k_pool = mx.array(rng.standard_normal((200 * bs, kv_heads, d)), dtype=mx.float32)
+    v_pool = mx.array(rng.standard_normal((200 * bs, kv_heads, d)), dtype=mx.float32)
+    q = mx.array(rng.standard_normal((sum(lengths), heads, 1, d)), dtype=mx.float32)
+    meta = build_metadata(tables, starts, lengths, bs, split_decodes=split_decodes, plan_per_shape=plan_per_shape,
+                          unfused_max_queries=20)
+    assert (meta.groups[0].block_tables.shape[0] == 4) == (not split_decodes)
+    assert any(g.unfused for g in meta.groups) == plan_per_shape
+    assert any(g.out_rows is not None and g.block_tables.shape[0] == 4 for g in meta.groups) == plan_per_shape
+    sinks = mx.array(rng.standard_normal(heads), dtype=mx.float32) if with_sinks else None
+    got = paged_attention(q, k_pool, v_pool, meta, d ** -0.5, gather.attend_group, sinks, window=window)
+    want = _windowed_reference(q, k_pool, v_pool, tables, starts, lengths, bs, d ** -0.5, window, sinks)
+    assert float(mx.abs(got - want).max().item()) < 1e-4
+    if window < 40:   # the long decode reads its window's blocks, not its 38-block context
+        assert meta.groups[0].windowed(window, bs, mx.float32)[0].shape[1] <= -(-window // bs) + 1
 
 
 def test_decode_groups_split_by_length_only_for_padding_backends():

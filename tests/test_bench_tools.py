@@ -6,14 +6,15 @@ still completes every request with the roomy run's tokens; `kv_sharing` computes
 prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters;
 `hit_profile` hits the cache in its hit pass only; `loop_profile` times hits through each
 driver; `shape_plans` counts the row grid; `step_ops` counts each kind of step's
-primitives."""
+primitives; `sliding_window` times a windowed layer's two ways, which agree."""
 
 import json
 import os
 import sys
 
 from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, loop_profile, mixed_prefill, prefill_stall,
-                   prefix_sweep, process_cpu, shape_plans, step_ops, step_profile, structured_output)
+                   prefix_sweep, process_cpu, shape_plans, sliding_window, step_ops, step_profile,
+                   structured_output)
 from runtime.attention import metadata
 
 
@@ -256,3 +257,12 @@ def test_shape_plans_counts_the_row_grid(tmp_path):
     assert out["grid_sizes"] == 16 and out["grid_waste_max"] < 1 / 8   # 8 sizes an octave over two octaves
     assert [r["op"] for r in out["rows"]] == ["matmul 32->48", "unfused attention"]
     assert all(r["new_shape_ms_p50"] > 0 and r["seen_shape_ms_p50"] > 0 for r in out["rows"])
+
+
+def test_sliding_window_times_both_windowed_ways_and_they_agree(tmp_path):
+    out = tmp_path / "sw.json"
+    sliding_window.main(["--window", "24", "--batch", "2", "--context", "40", "200", "--chain", "1", "--repeats", "1",
+                         "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["way"] for r in rows} == {"full layer", "window, whole context read", "window, its blocks read"}
+    assert len(rows) == 6 and all(r["us_per_call"] > 0 and r["max_abs_diff_windowed_ways"] < 1e-4 for r in rows)

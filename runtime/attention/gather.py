@@ -71,24 +71,42 @@ def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetada
                  scale: float, block_size: int, sinks: mx.array | None = None,
                  window: int | None = None) -> mx.array:
     """q: (B, H, Lq, D) -> (B, H, Lq, D). `window`: a sliding-window layer's, which
-    attends each query's last `window` keys."""
-    k = gather_kv(k_pool, g.block_tables, block_size)
-    v = gather_kv(v_pool, g.block_tables, block_size)
-    if g.unfused and sinks is None:
-        return attend_unfused(q, k, v, g.additive_mask(q.dtype, grouped=True, window=window), scale)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=g.additive_mask(q.dtype, window=window),
-                                                sinks=sinks)
+    attends each query's last `window` keys, and reads only the blocks they are in
+    (`GroupMetadata.windowed`)."""
+    # A windowed layer with sinks (gpt-oss's) takes the matmul way too: MLX's fused
+    # attention with sinks gave prefill chunks whose windows start past their first
+    # block wrong outputs on CUDA (H100, MLX 0.32.4: a gpt-oss-shaped model's logprobs
+    # 0.13-0.45 off mlx-lm's), while the same masks without sinks, or sinks with
+    # causal masks, matched.
+    grouped = (g.unfused and sinks is None) or (window is not None and sinks is not None)
+    if window is None:
+        tables, mask = g.block_tables, g.additive_mask(q.dtype, grouped)
+    else:
+        tables, mask = g.windowed(window, block_size, q.dtype, grouped)
+    k = gather_kv(k_pool, tables, block_size)
+    v = gather_kv(v_pool, tables, block_size)
+    if grouped:
+        return attend_unfused(q, k, v, mask, scale, sinks)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
-def attend_unfused(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
+def attend_unfused(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float,
+                   sinks: mx.array | None = None) -> mx.array:
     """SDPA as two matmuls and a softmax (in float32), each query head's scores against
     its KV head's keys: no fused kernel, so on CUDA no attention plan for the shape.
     q: (B, H, Lq, D), k and v: (B, Hkv, S, D), mask: additive (B, 1, 1, Lq, S) ->
-    (B, H, Lq, D)."""
+    (B, H, Lq, D). `sinks` (H,): each head's sink logit, a key of no value that takes
+    its share of the softmax, as `mx.fast.scaled_dot_product_attention` takes them."""
     b, h, lq, d = q.shape
     n_kv = k.shape[1]
     qg = (q * scale).reshape(b, n_kv, (h // n_kv) * lq, d)
     scores = (qg @ k.swapaxes(-1, -2)).reshape(b, n_kv, h // n_kv, lq, -1)
     scores = scores + mask
-    p = mx.softmax(scores, axis=-1, precise=True).reshape(b, n_kv, (h // n_kv) * lq, -1)
-    return (p @ v).reshape(b, h, lq, d)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, n_kv, h // n_kv, 1, 1),
+                               (*scores.shape[:-1], 1))
+        scores = mx.concatenate([sink, scores], axis=-1)
+    p = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is not None:
+        p = p[..., 1:]
+    return (p.reshape(b, n_kv, (h // n_kv) * lq, -1) @ v).reshape(b, h, lq, d)

@@ -91,24 +91,52 @@ class GroupMetadata:
     def single_query(self) -> bool:
         return self.query_pos.shape[1] == 1
 
-    def additive_mask(self, dtype: mx.Dtype, grouped: bool = False, window: int | None = None) -> mx.array:
+    def additive_mask(self, dtype: mx.Dtype, grouped: bool = False) -> mx.array:
         """`mask` as 0 where a query may attend and `dtype`'s lowest value elsewhere,
         made once for all layers; `grouped`: shaped (B, 1, 1, Lq, S) for scores kept per
-        KV head and query head of its group (`gather.attend_unfused`); `window`: only
-        the last `window` keys up to each query's own, as mlx-lm's sliding-window masks
-        (the gathered keys sit at their positions). MLX's fused attention on CUDA ran
-        3-4x slower with the boolean mask (H200, `bench/prefill_mask.py`: a prefill group
-        of 8 prefix hits over 2k-token contexts, 0.88 vs 0.23 ms a layer; 8 whole 2k
-        prompts, 20.8 vs 4.6 ms)."""
-        m = self._additive.get((dtype, grouped, window))
+        KV head and query head of its group (`gather.attend_unfused`). MLX's fused
+        attention on CUDA ran 3-4x slower with the boolean mask (H200,
+        `bench/prefill_mask.py`: a prefill group of 8 prefix hits over 2k-token contexts,
+        0.88 vs 0.23 ms a layer; 8 whole 2k prompts, 20.8 vs 4.6 ms)."""
+        m = self._additive.get((dtype, grouped))
         if m is None:
-            allowed = self.mask
-            if window is not None:
-                keys = mx.arange(self.mask.shape[-1], dtype=self.query_pos.dtype)
-                allowed = allowed & (keys > self.query_pos[:, None, :, None] - window)
-            m = mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
-            self._additive[(dtype, grouped, window)] = m = m[:, :, None] if grouped else m
+            m = _additive(self.mask, dtype, grouped)
+            self._additive[(dtype, grouped)] = m
         return m
+
+    def windowed(self, window: int, block_size: int, dtype: mx.Dtype,
+                 grouped: bool = False) -> tuple[mx.array, mx.array]:
+        """A sliding-window layer's view of the group, made once for all such layers:
+        (B, n) block tables and the additive mask over their keys, where each sequence's
+        table starts at the block of its first query's window and its n blocks span the
+        windows of all its queries. Each query sees its last `window` keys up to its own,
+        as mlx-lm's sliding-window masks; the layer reads n blocks a sequence however
+        long the context (a padding query sees its view's first key, so no row of the
+        mask is empty)."""
+        got = self._additive.get(("window", window, dtype, grouped))
+        if got is None:
+            qpos = self.query_pos
+            b, lq = qpos.shape
+            width = self.block_tables.shape[1]
+            n = min(width, -(-(window - 1 + lq) // block_size) + 1)
+            big = mx.array(np.iinfo(np.int32).max, qpos.dtype)
+            first = mx.min(mx.where(qpos > 0, qpos, big), axis=1)
+            first = mx.where(first == big, 0, first)
+            start = mx.maximum(first - window + 1, 0) // block_size               # (B,)
+            idx = start[:, None] + mx.arange(n, dtype=start.dtype)[None]            # (B, n)
+            tables = mx.take_along_axis(self.block_tables, mx.minimum(idx, width - 1), axis=1)
+            keys = (idx[:, :, None] * block_size + mx.arange(block_size, dtype=idx.dtype)).reshape(b, 1, 1, -1)
+            q = qpos[:, None, :, None]
+            allowed = (keys <= q) & (keys > q - window)
+            allowed = allowed | ((q == 0) & (keys == (start * block_size)[:, None, None, None]))
+            got = tables, _additive(allowed, dtype, grouped)
+            self._additive[("window", window, dtype, grouped)] = got
+        return got
+
+
+def _additive(allowed: mx.array, dtype: mx.Dtype, grouped: bool) -> mx.array:
+    m = mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+    return m[:, :, None] if grouped else m
 
 
 @dataclass
