@@ -46,10 +46,10 @@ def load_tokenizer(path_or_repo: str):
 def check_supported(model, config: dict) -> None:
     """Full-attention and sliding-window KV caches map onto blocks (`layer_windows`).
     Chunked, quantized-KV and recurrent (SSM) caches are refused with a clear message."""
-    layer_windows(model, config.get("model_type"))
     if not hasattr(model, "layers") or not hasattr(model, "args"):
         raise UnsupportedModelError(f"model type {config.get('model_type', type(model).__module__)!r} "
                                     "does not expose layers and args")
+    layer_windows(model, config.get("model_type"))
 
 
 def layer_windows(model, model_type: str | None = None) -> list[int | None]:
