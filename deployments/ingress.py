@@ -90,9 +90,8 @@ def _validation_error(e: ValidationError, renamed: dict[str, str] | None = None,
         msg = f"unknown field {loc!r}"
     elif loc:
         msg = f"{loc}: {msg}"
-    elif msg.split(" ", 1)[0] in fields:
-        loc = msg.split(" ", 1)[0]
-        loc = (renamed or {}).get(loc, loc)
+    elif (subject := msg.split(" ", 1)[0]) in fields:
+        loc = (renamed or {}).get(subject, subject)
     return HTTPError(400, msg, param=loc)
 
 

@@ -163,8 +163,8 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: Atten
     """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group; rows
     that pad the batch (`meta.pad_rows`) get zeros. `prefill` (`prefill_fn`) takes the
     short prefill groups it serves, in their packed rows. A sliding-window layer
-    (`window`) goes through `gather` with the window in its mask: the fused kernels
-    attend whole contexts."""
+    (`window`) goes through `gather`, which reads only its window's blocks
+    (`GroupMetadata.windowed`): the fused kernels attend whole contexts."""
     if window is not None:
         attend, prefill = partial(gather.attend_group, window=window), None
     outs = []

@@ -85,7 +85,8 @@ class GroupMetadata:
     out_rows: mx.array | None = None
     unfused: bool = False
     seq_rows: mx.array | None = None   # unfused: (B, 2) each sequence's first row and rows
-    _additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Arrays made from the group once a step for all layers: additive masks, windowed views.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def single_query(self) -> bool:
@@ -98,10 +99,10 @@ class GroupMetadata:
         attention on CUDA ran 3-4x slower with the boolean mask (H200,
         `bench/prefill_mask.py`: a prefill group of 8 prefix hits over 2k-token contexts,
         0.88 vs 0.23 ms a layer; 8 whole 2k prompts, 20.8 vs 4.6 ms)."""
-        m = self._additive.get((dtype, grouped))
+        m = self._derived.get((dtype, grouped))
         if m is None:
             m = _additive(self.mask, dtype, grouped)
-            self._additive[(dtype, grouped)] = m
+            self._derived[(dtype, grouped)] = m
         return m
 
     def windowed(self, window: int, block_size: int, dtype: mx.Dtype,
@@ -113,7 +114,7 @@ class GroupMetadata:
         as mlx-lm's sliding-window masks; the layer reads n blocks a sequence however
         long the context (a padding query sees its view's first key, so no row of the
         mask is empty)."""
-        got = self._additive.get(("window", window, dtype, grouped))
+        got = self._derived.get(("window", window, dtype, grouped))
         if got is None:
             qpos = self.query_pos
             b, lq = qpos.shape
@@ -130,7 +131,7 @@ class GroupMetadata:
             allowed = (keys <= q) & (keys > q - window)
             allowed = allowed | ((q == 0) & (keys == (start * block_size)[:, None, None, None]))
             got = tables, _additive(allowed, dtype, grouped)
-            self._additive[("window", window, dtype, grouped)] = got
+            self._derived[("window", window, dtype, grouped)] = got
         return got
 
 
