@@ -536,26 +536,27 @@ class ResponseEvents:
         return events
 
     def _close(self, finish_reason: str | None) -> list[dict]:
-        """The events that finish the open item, if any."""
+        """The events that finish the open item, if any. The item open when the token
+        limit ends the response (`finish_reason` "length") was cut, whatever its kind."""
         item, self.open = self.open, None
         if item is None:
             return []
         index, events = self._index(), []
         where = {"item_id": item["id"], "output_index": index}
+        status = "incomplete" if finish_reason == "length" else "completed"
         if item["kind"] == "reasoning":
-            done = _reasoning_item(item["id"], item["text"], "completed")
+            done = _reasoning_item(item["id"], item["text"], status)
             events.append(self._event("response.reasoning_text.done", **where, content_index=0, text=item["text"]))
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=done["content"][0]))
         elif item["kind"] == "message":
-            status = "incomplete" if finish_reason == "length" else "completed"
             done = _message_item(item["id"], item["text"], status, item["logprobs"])
             events.append(self._event("response.output_text.done", **where, content_index=0, text=item["text"],
                                       logprobs=list(item["logprobs"])))
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=done["content"][0]))
         else:
-            done = _call_item(item["id"], item["call_id"], item["name"], item["text"], "completed")
+            done = _call_item(item["id"], item["call_id"], item["name"], item["text"], status)
             events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
                                       arguments=item["text"]))
         events.append(self._event("response.output_item.done", output_index=index, item=done))

@@ -112,13 +112,20 @@ def _whole(parser, text, finish, logprobs=None) -> list[dict]:
     ("Say<think>plan</think> so", None, "stop"),
     ('<think>pick</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "required", "stop"),
     ('{"city": "Oslo"}', "get_weather", "stop"),
+    ('{"city": "Os', "get_weather", "length"),
+    ('<think>pick</think>[{"name": "get_weather", "parameters": {"city": "Par', "required", "length"),
 ])
 def test_the_stream_and_the_whole_response_agree(text, mode, finish):
     """However the text is cut, the events add up to the items the whole response has,
     in the order the text wrote them: each item added once and done once under one id,
     its deltas joining to its text, the numbers in sequence, the response last. The
-    items hold what the chat message of the same text holds."""
+    items hold what the chat message of the same text holds. The item the token limit
+    cut, whatever its kind, reads incomplete, as does the empty message after reasoning
+    the limit cut; every item before it reads completed."""
     whole = _whole(_parser(mode), text, finish)
+    statuses = [i["status"] for i in whole]
+    done = len(whole) if finish != "length" else 0 if text.startswith("<think>still") else len(whole) - 1
+    assert statuses == ["completed"] * done + ["incomplete"] * (len(whole) - done)
     message, _ = _parser(mode).message(text, finish)
     kinds = {"reasoning": "reasoning_text", "message": "output_text"}
     said = {k: "".join(c["text"] for i in whole if i["type"] == k for c in i["content"] if c["type"] == t)
