@@ -83,15 +83,16 @@ class ModelRunner:
         num_layers, kv_heads, head_dim = kv_geometry(model)
         self.pool = KVPool(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
         heads = model.args.num_attention_heads
+        windows = layer_windows(model)
         self.attention_backend, why = resolve_backend(attention_backend, heads, kv_heads, head_dim,
-                                                      block_size, dtype)
+                                                      block_size, dtype, min(filter(None, windows), default=None))
         prefill, prefill_why = None, "prefill kernel off"
         if prefill_kernel:
             prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)
         log.info("attention backend %s (%s; %s)", self.attention_backend, why, prefill_why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend), prefill_fn=prefill)
         self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1, window=w)
-                       for i, w in enumerate(layer_windows(model))]
+                       for i, w in enumerate(windows)]
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
         # to few shapes or does without it (`make_group`).
         self.plan_per_shape = available("cuda")

@@ -40,7 +40,9 @@ def test_metal_source_maps_every_cuda_name_the_kernels_use():
     cuda_only = {"blockIdx", "threadIdx", "gridDim", "blockDim", "warpSize", "fmaxf", "fminf", "expf",
                  "logf", "sqrtf", "rsqrtf", "atomicAdd"}
     used = set()
-    for src in (paged_kernel._ATTENTION_PARTIAL, paged_kernel._ATTENTION_FINAL, paged_kernel._MERGE_SOURCE):
+    sources = [paged_kernel._attention(e, w)[2] for e in (paged_kernel._PARTIAL, paged_kernel._FINAL)
+               for w in (False, True)]
+    for src in sources + [paged_kernel._MERGE_SOURCE]:
         used |= {w for w in re.findall(r"[A-Za-z_]\w*", src) if w.startswith("__") or w in cuda_only}
     defined = set(re.findall(r"#define (\w+)", paged_kernel._METAL_HEADER))
     defined |= set(re.findall(r"const uint3 (\w+) =", paged_kernel._METAL_PROLOGUE))
@@ -100,8 +102,9 @@ def test_cuda_block_gather_matches_indexing(dtype, kv_heads, head_dim):
 
 
 @needs_cuda
-def test_cuda_self_check_passes():
-    ok, why = check_backend("cuda", 32, 8, 64, 16, mx.bfloat16)
+@pytest.mark.parametrize("window", [None, 100])
+def test_cuda_self_check_passes(window):
+    ok, why = check_backend("cuda", 32, 8, 64, 16, mx.bfloat16, window=window)
     assert "differs" not in why and "failed" not in why, why
 
 
@@ -206,7 +209,8 @@ def test_engine_prefix_hits_through_the_prefill_kernel_match_mlx_lm(tmp_path):
 def test_sliding_window_layers_beside_the_kernels_match_mlx_lm(tmp_path):
     """Gemma 3's shape on the `cuda` backend: its full-attention layer through the fused
     kernels (decode and prefix-hit prefill), its sliding-window layers (window 32)
-    through `gather`, reading their windows' blocks; mlx-lm's greedy tokens for prompts
+    reading their windows' blocks, decodes through the decode kernel and prefill chunks
+    through `gather`; mlx-lm's greedy tokens for prompts
     many windows long, then prefix hits on one of them, one request at a time as the
     bfloat16 test above runs them."""
     from runtime.models.tiny import make_model
@@ -248,20 +252,38 @@ def _windowed_reference(q, k_pool, v_pool, tables, starts, lengths, block_size, 
     return mx.stack(out)[:, :, None]
 
 
+def _decode_view(q, k_pool, v_pool, g, scale, block_size, sinks=None, window=None):
+    """What the fused decode kernels compute for a sliding-window layer's decodes, in
+    MLX ops: each sequence's keys [first, keys) of its view (`windowed_decode`); any
+    other group through `gather`, as the kernels' backends send it."""
+    if not g.single_query or sinks is not None or window is None:
+        return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks, window)
+    tables, lens, first, longest = g.windowed_decode(window, block_size)
+    assert longest <= tables.shape[1] * block_size
+    k, v = gather.gather_kv(k_pool, tables, block_size), gather.gather_kv(v_pool, tables, block_size)
+    keys = mx.arange(tables.shape[1] * block_size)[None]
+    allowed = (keys >= first[:, None]) & (keys < lens[:, None])
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=allowed[:, None, None, :])
+
+
+@pytest.mark.parametrize("through", ["gather", "kernel view", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("plan_per_shape, split_decodes", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("window", [1, 5, 16, 40, 1000])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_a_sliding_window_layer_reads_its_window_and_matches_attention_over_it(window, plan_per_shape,
-                                                                               split_decodes, with_sinks):
-    """A sliding-window layer's attention through `gather`, which reads only the blocks
-    of each sequence's window (`GroupMetadata.windowed`), against attention over each
-    token's last `window` keys computed one row at a time: decodes of long and short
-    contexts, prefix-hit chunks and a whole prompt, in groups padded for per-shape plans
-    (padding queries and sequences included) or not, decodes of all lengths in one group
-    (as a fused kernel's backend groups them) or not, windows inside a block and past
-    the context; with attention sinks (gpt-oss's) or without."""
+                                                                               split_decodes, with_sinks,
+                                                                               through):
+    """A sliding-window layer's attention, which reads only the blocks of each
+    sequence's window (`GroupMetadata.windowed`, and for a fused kernel's decodes
+    `windowed_decode`), against attention over each token's last `window` keys
+    computed one row at a time: decodes of long and short contexts, prefix-hit chunks
+    and a whole prompt, in groups padded for per-shape plans (padding queries and
+    sequences included) or not, decodes of all lengths in one group (as a fused
+    kernel's backend groups them) or not, windows inside a block and past the context;
+    with attention sinks (gpt-oss's) or without. Through `gather`, through the decode
+    kernels' view in MLX ops, and on CUDA through the kernels."""
     rng = np.random.default_rng(window)
-    bs, heads, kv_heads, d = 8, 4, 2, 16
+    bs, heads, kv_heads, d = 8, 4, 2, 32
     seqs = [(300, 1), (97, 1), (6, 1), (0, 1), (150, 20), (61, 3), (0, 45), (50, 30)]   # (start, new tokens)
     seqs.sort(key=lambda sn: sort_key(sn[1], sn[0] + sn[1]))
     starts, lengths = [st for st, _ in seqs], [n for _, n in seqs]
@@ -279,11 +301,13 @@ def test_a_sliding_window_layer_reads_its_window_and_matches_attention_over_it(w
     assert any(g.unfused for g in meta.groups) == plan_per_shape
     assert any(g.out_rows is not None and g.block_tables.shape[0] == 4 for g in meta.groups) == plan_per_shape
     sinks = mx.array(rng.standard_normal(heads), dtype=mx.float32) if with_sinks else None
-    got = paged_attention(q, k_pool, v_pool, meta, d ** -0.5, gather.attend_group, sinks, window=window)
+    attend = {"gather": gather.attend_group, "kernel view": _decode_view, "cuda": paged_kernel.attend_cuda}[through]
+    got = paged_attention(q, k_pool, v_pool, meta, d ** -0.5, attend, sinks, window=window)
     want = _windowed_reference(q, k_pool, v_pool, tables, starts, lengths, bs, d ** -0.5, window, sinks)
     assert float(mx.abs(got - want).max().item()) < 1e-4
     if window < 40:   # the long decode reads its window's blocks, not its 38-block context
         assert meta.groups[0].windowed(window, bs, mx.float32)[0].shape[1] <= -(-window // bs) + 1
+        assert meta.groups[0].windowed_decode(window, bs)[0].shape[1] <= -(-window // bs) + 1
 
 
 def test_decode_groups_split_by_length_only_for_padding_backends():

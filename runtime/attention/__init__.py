@@ -69,20 +69,22 @@ def _time(fn, reps: int = 5) -> float:
 
 
 def check_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                  dtype, batch: int = 32, context: int = 1024) -> tuple[bool, str]:
-    """Does `name` match `gather` on random decode problems, and is it faster on this
-    geometry? Returns (use it, why)."""
+                  dtype, batch: int = 32, context: int = 1024, window: int | None = None) -> tuple[bool, str]:
+    """Does `name` match `gather` on random decode problems (with `window`, a sliding
+    window's too), and is it faster on this geometry? Returns (use it, why)."""
     fn = BACKENDS[name]
     tol = 2e-3 if dtype == mx.float32 else 3e-2
     scale = head_dim ** -0.5
     try:
-        for b, ctx in ((3, 40), (5, 700)):
+        cases = [(3, 40, None), (5, 700, None)] + ([(5, 700, window)] if window else [])
+        for b, ctx, w in cases:
             q, k, v, g = decode_problem(b, ctx, heads, kv_heads, head_dim, block_size, dtype, seed=b)
-            want = gather.attend_group(q, k, v, g, scale, block_size).astype(mx.float32)
-            got = fn(q, k, v, g, scale, block_size).astype(mx.float32)
+            want = gather.attend_group(q, k, v, g, scale, block_size, window=w).astype(mx.float32)
+            got = fn(q, k, v, g, scale, block_size, window=w).astype(mx.float32)
             err = float(mx.abs(got - want).max().item())
             if not err <= tol:
-                return False, f"{name} differs from gather by {err:.3g} (tolerance {tol})"
+                what = f"{name} with a {w}-token window" if w else name
+                return False, f"{what} differs from gather by {err:.3g} (tolerance {tol})"
         q, k, v, g = decode_problem(batch, context, heads, kv_heads, head_dim, block_size, dtype)
         t_kernel = _time(lambda: fn(q, k, v, g, scale, block_size))
         t_gather = _time(lambda: gather.attend_group(q, k, v, g, scale, block_size))
@@ -94,9 +96,10 @@ def check_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_siz
 
 
 def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                    dtype) -> tuple[str, str]:
+                    dtype, window: int | None = None) -> tuple[str, str]:
     """The backend to run, and why. `auto` picks a fused kernel only if this device has
-    one, it matches `gather`, and it is faster on the model's geometry."""
+    one, it matches `gather` (for a model with sliding-window layers, over `window` too),
+    and it is faster on the model's geometry."""
     if name != "auto":
         get_backend(name)
         if name in KERNELS and (why := _cannot_run(name, heads, kv_heads, head_dim)):
@@ -107,7 +110,7 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
         if why := _cannot_run(cand, heads, kv_heads, head_dim):
             reasons.append(f"{cand}: {why}")
             continue
-        ok, why = check_backend(cand, heads, kv_heads, head_dim, block_size, dtype)
+        ok, why = check_backend(cand, heads, kv_heads, head_dim, block_size, dtype, window=window)
         reasons.append(why)
         if ok:
             return cand, why
@@ -163,10 +166,11 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: Atten
     """q: (T, H, 1, D) packed rows -> (T, H, 1, D), one backend call per group; rows
     that pad the batch (`meta.pad_rows`) get zeros. `prefill` (`prefill_fn`) takes the
     short prefill groups it serves, in their packed rows. A sliding-window layer
-    (`window`) goes through `gather`, which reads only its window's blocks
-    (`GroupMetadata.windowed`): the fused kernels attend whole contexts."""
+    (`window`) reads only its window's blocks: decodes through the backend (the fused
+    kernels from the window's first key), the rest through `gather`
+    (`GroupMetadata.windowed`); the prefill kernel attends whole contexts."""
     if window is not None:
-        attend, prefill = partial(gather.attend_group, window=window), None
+        attend, prefill = partial(attend, window=window), None
     outs = []
     whole = len(meta.groups) == 1 and not meta.pad_rows
     for g in meta.groups:

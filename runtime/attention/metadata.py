@@ -135,6 +135,27 @@ class GroupMetadata:
         return got
 
 
+    def windowed_decode(self, window: int, block_size: int) -> tuple[mx.array, mx.array, mx.array, int]:
+        """A sliding-window layer's view of a one-query group for the fused decode
+        kernel, made once for all such layers: (B, n) block tables from the block of
+        each sequence's window start, each sequence's keys in that view, its first key
+        in the window, and the most keys any view holds. The query at position p sees
+        keys (p - window, p], as `windowed`, and n blocks however long the context."""
+        got = self._derived.get(("window_decode", window))
+        if got is None:
+            width = self.block_tables.shape[1]
+            n = min(width, -(-window // block_size) + 1)
+            start_key = mx.maximum(self.context_lens - window, 0)
+            start = start_key // block_size                                          # (B,)
+            idx = mx.minimum(start[:, None] + mx.arange(n, dtype=start.dtype)[None], width - 1)
+            tables = mx.take_along_axis(self.block_tables, idx, axis=1)
+            offset = start * block_size
+            got = (tables, self.context_lens - offset, start_key - offset,
+                   min(self.max_context_len, n * block_size))
+            self._derived[("window_decode", window)] = got
+        return got
+
+
 def _additive(allowed: mx.array, dtype: mx.Dtype, grouped: bool) -> mx.array:
     m = mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
     return m[:, :, None] if grouped else m

@@ -12,7 +12,8 @@ sums and writes the output in the query's dtype; with one split (a batch big eno
 fill the GPU) the attention kernel writes the output itself. At most two kernels a
 layer, because a decode step is host-bound on launches long before it is bound by
 bandwidth. Padding costs a sequence nothing here (each reads only its own context), so
-a whole decode batch is one group. Only one-query groups (decodes) use it; short
+a whole decode batch is one group; a sliding-window layer's decodes read their
+window's blocks, from the window's first key. Only one-query groups (decodes) use it; short
 prefill chunks on CUDA have a kernel of their own (paged_prefill.py), and longer ones
 and attention sinks go through `gather`.
 
@@ -44,8 +45,9 @@ _SOURCE = """
     const int n_kv = k_pool_shape[1];
     const int n_tab = block_tables_shape[1];
     const int ctx = context_lens[b];
-    const int chunk = (ctx + n_split - 1) / n_split;
-    const int start = split * chunk;
+    const int first = FIRST;          // the first key attended: past a sliding window's start
+    const int chunk = (ctx - first + n_split - 1) / n_split;
+    const int start = first + split * chunk;
     const int end = min(ctx, start + chunk);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -153,8 +155,16 @@ _PARTIAL = """const long o = ((long)b * n_heads + h_kv * G + g) * n_split + spli
 # One split (enough sequences to fill the GPU): the output itself, one kernel a layer.
 _FINAL = """out[((long)b * n_heads + h_kv * G + g) * D + d] = static_cast<T>(a / lsum);"""
 _INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
-_ATTENTION_PARTIAL = _SOURCE.replace("EPILOGUE", _PARTIAL)
-_ATTENTION_FINAL = _SOURCE.replace("EPILOGUE", _FINAL)
+
+
+def _attention(epilogue: str, windowed: bool) -> tuple[str, list[str], str]:
+    """(name suffix, inputs, source) of the attention kernel with `epilogue`; `windowed`
+    reads each sequence's first key from `key_starts` (a sliding window's start)."""
+    if windowed:
+        return "_window", _INPUTS + ["key_starts"], _SOURCE.replace("EPILOGUE", epilogue).replace(
+            "FIRST", "key_starts[b]")
+    return "", _INPUTS, _SOURCE.replace("EPILOGUE", epilogue).replace("FIRST", "0")
+
 
 _MERGE_SOURCE = """
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -247,24 +257,30 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
                  context_lens: mx.array, max_context: int, scale: float, block_size: int,
-                 dialect: str = "cuda") -> mx.array:
+                 dialect: str = "cuda", key_starts: mx.array | None = None) -> mx.array:
     """q: (B, H, D), or (B, H, 1, D) as the model's layers hand it over -> the same shape.
     The kernels index only its first two axes and its elements: the singleton axis
-    costs no squeeze before nor expand after, each a primitive MLX would queue per layer."""
+    costs no squeeze before nor expand after, each a primitive MLX would queue per layer.
+    `key_starts` (B,): each sequence attends keys [key_starts, context_lens) of its
+    table (a sliding window's); all from the first without it."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     n_kv = k_pool.shape[1]
     if (why := unsupported(h, n_kv, d)) is not None:
         raise ValueError(f"paged_decode: {why}")
     splits = num_splits(b, n_kv, max_context)
-    call = dict(inputs=[q, k_pool, v_pool, block_tables, context_lens, scale_array(scale)],
+    inputs = [q, k_pool, v_pool, block_tables, context_lens, scale_array(scale)]
+    windowed = key_starts is not None
+    call = dict(inputs=inputs + [key_starts] if windowed else inputs,
                 grid=(WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
     template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS), ("LPT", lanes_per_key(d))]
     if splits == 1:
-        final = kernel(dialect, "paged_decode_attention_final", _INPUTS, ["out"], _ATTENTION_FINAL)
+        suffix, names, source = _attention(_FINAL, windowed)
+        final = kernel(dialect, "paged_decode_attention_final" + suffix, names, ["out"], source)
         return final(**call, template=template + [("T", q.dtype)],
                      output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
-    acc, m, l = kernel(dialect, "paged_decode_attention", _INPUTS, ["out_acc", "out_m", "out_l"],
-                        _ATTENTION_PARTIAL)(
+    suffix, names, source = _attention(_PARTIAL, windowed)
+    acc, m, l = kernel(dialect, "paged_decode_attention" + suffix, names, ["out_acc", "out_m", "out_l"],
+                        source)(
         **call, template=template,
         output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
@@ -288,13 +304,18 @@ def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect:
 
 
 def attend_group(dialect: str, q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
-                 scale: float, block_size: int, sinks: mx.array | None = None) -> mx.array:
+                 scale: float, block_size: int, sinks: mx.array | None = None,
+                 window: int | None = None) -> mx.array:
     """The `cuda` and `metal` backends: the fused kernel for decode groups, `gather` for
-    the rest (prefill chunks, attention sinks)."""
+    the rest (prefill chunks, attention sinks). A sliding-window layer's decodes read
+    their window's blocks in place (`GroupMetadata.windowed_decode`)."""
     if not g.single_query or sinks is not None:
-        return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks)
-    return paged_decode(q, k_pool, v_pool, g.block_tables, g.context_lens, g.max_context_len, scale,
-                        block_size, dialect)
+        return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks, window)
+    if window is None:
+        return paged_decode(q, k_pool, v_pool, g.block_tables, g.context_lens, g.max_context_len, scale,
+                            block_size, dialect)
+    tables, lens, starts, longest = g.windowed_decode(window, block_size)
+    return paged_decode(q, k_pool, v_pool, tables, lens, longest, scale, block_size, dialect, starts)
 
 
 attend_cuda = partial(attend_group, "cuda")
