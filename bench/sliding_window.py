@@ -13,7 +13,7 @@ call's output the next one's query, as in a model's layers.
 
     python bench/sliding_window.py                                   # CPU-sized
     python bench/sliding_window.py --window 128 --context 1024 8192 \\
-        --heads 64 --kv-heads 8 --head-dim 64                        # gpt-oss's shape, on a GPU
+        --heads 64 --kv-heads 8 --head-dim 64 --sinks                # gpt-oss's shape, on a GPU
 """
 
 import argparse
@@ -28,27 +28,30 @@ from bench.paged_attention import median_call_s, parse_geometry_args, write_resu
 from runtime.attention import KERNELS, available, decode_problem, gather, paged_kernel  # noqa: E402
 
 
-def masked_whole_context(q, k_pool, v_pool, g, scale, block_size, window):
+def masked_whole_context(q, k_pool, v_pool, g, scale, block_size, window, sinks=None):
     """The way before: every block of the context, the window in the mask."""
     k = gather.gather_kv(k_pool, g.block_tables, block_size)
     v = gather.gather_kv(v_pool, g.block_tables, block_size)
     keys = mx.arange(g.mask.shape[-1])
     allowed = g.mask & (keys > g.query_pos[:, None, :, None] - window)
     mask = mx.where(allowed, mx.array(0, q.dtype), mx.array(mx.finfo(q.dtype).min, q.dtype))
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
-def ways(window: int):
+def ways(window: int, sinks=None):
+    """Each way's call; with `sinks` (H,), every way adds the heads' sinks to its softmax."""
     fns = {
-        "full layer": lambda q, k, v, g, s, bs: gather.attend_group(q, k, v, g, s, bs),
-        "window, whole context read": lambda q, k, v, g, s, bs: masked_whole_context(q, k, v, g, s, bs, window),
-        "window, its blocks read": lambda q, k, v, g, s, bs: gather.attend_group(q, k, v, g, s, bs, window=window),
+        "full layer": lambda q, k, v, g, s, bs: gather.attend_group(q, k, v, g, s, bs, sinks),
+        "window, whole context read": lambda q, k, v, g, s, bs: masked_whole_context(q, k, v, g, s, bs, window,
+                                                                                     sinks),
+        "window, its blocks read": lambda q, k, v, g, s, bs: gather.attend_group(q, k, v, g, s, bs, sinks,
+                                                                                 window=window),
     }
     for dialect in (d for d in KERNELS if available(d)):
         fns["full layer, decode kernel"] = lambda q, k, v, g, s, bs, d=dialect: paged_kernel.attend_group(
-            d, q, k, v, g, s, bs)
+            d, q, k, v, g, s, bs, sinks)
         fns["window, decode kernel"] = lambda q, k, v, g, s, bs, d=dialect: paged_kernel.attend_group(
-            d, q, k, v, g, s, bs, window=window)
+            d, q, k, v, g, s, bs, sinks, window=window)
     return fns
 
 
@@ -59,6 +62,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sinks", action="store_true", help="attention sinks in every layer, as gpt-oss's")
     args, out = parse_geometry_args(ap, argv, "sliding_window")
     dtype = getattr(mx, args.dtype)
     scale = args.head_dim ** -0.5
@@ -67,7 +71,8 @@ def main(argv=None):
         for batch in args.batch:
             q, k, v, g = decode_problem(batch, context, args.heads, args.kv_heads, args.head_dim,
                                         args.block_size, dtype)
-            fns = ways(args.window)
+            sinks = mx.random.normal((args.heads,), key=mx.random.key(0)).astype(dtype) if args.sinks else None
+            fns = ways(args.window, sinks)
             old = fns["window, whole context read"](q, k, v, g, scale, args.block_size).astype(mx.float32)
             diff = max(float(mx.abs(old - fn(q, k, v, g, scale, args.block_size).astype(mx.float32)).max().item())
                        for name, fn in fns.items() if name.startswith("window") and name != "window, whole context read")
@@ -76,9 +81,10 @@ def main(argv=None):
             base = times["window, whole context read"]
             for name, t in times.items():
                 rows.append({"way": name, "batch": batch, "context": context, "window": args.window,
+                             "sinks": args.sinks,
                              "us_per_call": t * 1e6, "speedup_vs_whole_context": base / t,
                              "max_abs_diff_windowed_ways": diff})
-    print(f"window {args.window}; {args.heads} heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, "
+    print(f"window {args.window}{', attention sinks' if args.sinks else ''}; {args.heads} heads, {args.kv_heads} KV heads, head_dim {args.head_dim}, "
           f"{args.dtype}, block {args.block_size}; {mx.default_device()}")
     print(f"{'context':>7} | {'batch':>5} | {'way':>26} | {'us/call':>9} | vs whole context read")
     for r in rows:

@@ -19,7 +19,7 @@ from .attention.metadata import padded_rows
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
-from .models.loader import kv_geometry, layer_windows
+from .models.loader import has_attention_sinks, kv_geometry, layer_windows
 from .outputs import Logprob
 from .sampling import SampleResult, sample, token_logprobs
 from .scheduler import ScheduledSeq
@@ -85,7 +85,8 @@ class ModelRunner:
         heads = model.args.num_attention_heads
         windows = layer_windows(model)
         self.attention_backend, why = resolve_backend(attention_backend, heads, kv_heads, head_dim,
-                                                      block_size, dtype, min(filter(None, windows), default=None))
+                                                      block_size, dtype, min(filter(None, windows), default=None),
+                                                      has_attention_sinks(model))
         prefill, prefill_why = None, "prefill kernel off"
         if prefill_kernel:
             prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)

@@ -40,9 +40,10 @@ def test_metal_source_maps_every_cuda_name_the_kernels_use():
     cuda_only = {"blockIdx", "threadIdx", "gridDim", "blockDim", "warpSize", "fmaxf", "fminf", "expf",
                  "logf", "sqrtf", "rsqrtf", "atomicAdd"}
     used = set()
-    sources = [paged_kernel._attention(e, w)[2] for e in (paged_kernel._PARTIAL, paged_kernel._FINAL)
-               for w in (False, True)]
-    for src in sources + [paged_kernel._MERGE_SOURCE]:
+    sources = [paged_kernel._attention(e, w, sk)[2] for e in (paged_kernel._PARTIAL, paged_kernel._FINAL)
+               for w in (False, True) for sk in (False, True)]
+    sources += [paged_kernel._MERGE_SOURCE, paged_kernel._SINK]
+    for src in sources:
         used |= {w for w in re.findall(r"[A-Za-z_]\w*", src) if w.startswith("__") or w in cuda_only}
     defined = set(re.findall(r"#define (\w+)", paged_kernel._METAL_HEADER))
     defined |= set(re.findall(r"const uint3 (\w+) =", paged_kernel._METAL_PROLOGUE))
@@ -102,10 +103,28 @@ def test_cuda_block_gather_matches_indexing(dtype, kv_heads, head_dim):
 
 
 @needs_cuda
-@pytest.mark.parametrize("window", [None, 100])
-def test_cuda_self_check_passes(window):
-    ok, why = check_backend("cuda", 32, 8, 64, 16, mx.bfloat16, window=window)
+@pytest.mark.parametrize("window, sinks", [(None, False), (100, False), (128, True)])
+def test_cuda_self_check_passes(window, sinks):
+    ok, why = check_backend("cuda", 32, 8, 64, 16, mx.bfloat16, window=window, sinks=sinks)
     assert "differs" not in why and "failed" not in why, why
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("batch, context", [(3, 40), (5, 3000), (64, 600)])
+@pytest.mark.parametrize("window", [None, 1, 100])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_the_decode_kernel_with_windows_and_sinks_matches_gather(batch, context, window, with_sinks, dtype):
+    """The decode kernel's variants against `gather`: a sliding window's start as each
+    sequence's first key, attention sinks where the output is written, in one split
+    (short contexts, many sequences) and across several (3,000-token contexts, merged),
+    gpt-oss's sinks of either sign."""
+    heads, kv_heads, d, bs = 16, 4, 64, 16
+    q, k, v, g = decode_problem(batch, context, heads, kv_heads, d, bs, dtype, seed=batch)
+    sinks = mx.array(np.linspace(-4, 4, heads), dtype=dtype) if with_sinks else None
+    want = gather.attend_group(q, k, v, g, d ** -0.5, bs, sinks, window=window).astype(mx.float32)
+    got = paged_kernel.attend_cuda(q, k, v, g, d ** -0.5, bs, sinks, window=window).astype(mx.float32)
+    assert float(mx.abs(got - want).max().item()) < (2e-3 if dtype == mx.float32 else 3e-2)
 
 
 @needs_cuda

@@ -14,6 +14,7 @@ import pytest
 
 from runtime import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
+from runtime.models.loader import has_attention_sinks
 from runtime.errors import (EmptyPromptError, EngineDeadError, EngineError, EngineStepError,
                             InvalidSamplingParamsError, PromptTooLongError, TokenOutOfVocabularyError,
                             UnsupportedModelError, DuplicateRequestError)
@@ -74,9 +75,23 @@ def test_sliding_window_layers_are_served_as_mlx_lm_runs_them(tmp_path, default_
     (path / "config.json").write_text(json.dumps(cfg))
     engine = LLMEngine(EngineConfig(model=str(path), num_gpu_blocks=32, block_size=16))
     assert [c.window for c in engine.runner.caches] == [8, None] * (cfg["num_hidden_layers"] // 2)
+    assert not has_attention_sinks(engine.runner.model)
     ids = list(range(3, 43))
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == [t for t, _ in reference_greedy(str(path), ids, 8)]
+
+
+def test_attention_sinks_are_found_where_a_model_has_them(tmp_path):
+    """gpt-oss's layers hold sink logits, which the start-up self-check of a fused
+    kernel must then cover; Gemma 3's sliding layers hold none."""
+    from mlx_lm import load
+
+    from runtime.models.tiny import make_model
+
+    for arch, want in (("gpt_oss", True), ("gemma3_text", False)):
+        path = make_model(tmp_path / arch, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=384,
+                          seed=1, sliding_window=8)
+        assert has_attention_sinks(load(str(path))[0]) is want
 
 
 def test_caches_the_pool_cannot_hold_are_refused():

@@ -69,21 +69,26 @@ def _time(fn, reps: int = 5) -> float:
 
 
 def check_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                  dtype, batch: int = 32, context: int = 1024, window: int | None = None) -> tuple[bool, str]:
+                  dtype, batch: int = 32, context: int = 1024, window: int | None = None,
+                  sinks: bool = False) -> tuple[bool, str]:
     """Does `name` match `gather` on random decode problems (with `window`, a sliding
-    window's too), and is it faster on this geometry? Returns (use it, why)."""
+    window's too; with `sinks`, with attention sinks in one split and in several), and
+    is it faster on this geometry? Returns (use it, why)."""
     fn = BACKENDS[name]
     tol = 2e-3 if dtype == mx.float32 else 3e-2
     scale = head_dim ** -0.5
     try:
-        cases = [(3, 40, None), (5, 700, None)] + ([(5, 700, window)] if window else [])
-        for b, ctx, w in cases:
+        cases = [(3, 40, None, False), (5, 700, None, False)]
+        cases += [(5, 700, window, False)] if window else []
+        cases += [(3, 40, window, True), (5, 700, None, True)] if sinks else []
+        for b, ctx, w, with_sinks in cases:
             q, k, v, g = decode_problem(b, ctx, heads, kv_heads, head_dim, block_size, dtype, seed=b)
-            want = gather.attend_group(q, k, v, g, scale, block_size, window=w).astype(mx.float32)
-            got = fn(q, k, v, g, scale, block_size, window=w).astype(mx.float32)
+            s = mx.array(np.random.default_rng(b).standard_normal(heads), dtype=dtype) if with_sinks else None
+            want = gather.attend_group(q, k, v, g, scale, block_size, s, window=w).astype(mx.float32)
+            got = fn(q, k, v, g, scale, block_size, s, window=w).astype(mx.float32)
             err = float(mx.abs(got - want).max().item())
             if not err <= tol:
-                what = f"{name} with a {w}-token window" if w else name
+                what = name + (f" with a {w}-token window" if w else "") + (" with sinks" if with_sinks else "")
                 return False, f"{what} differs from gather by {err:.3g} (tolerance {tol})"
         q, k, v, g = decode_problem(batch, context, heads, kv_heads, head_dim, block_size, dtype)
         t_kernel = _time(lambda: fn(q, k, v, g, scale, block_size))
@@ -96,10 +101,10 @@ def check_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_siz
 
 
 def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                    dtype, window: int | None = None) -> tuple[str, str]:
+                    dtype, window: int | None = None, sinks: bool = False) -> tuple[str, str]:
     """The backend to run, and why. `auto` picks a fused kernel only if this device has
-    one, it matches `gather` (for a model with sliding-window layers, over `window` too),
-    and it is faster on the model's geometry."""
+    one, it matches `gather` (for a model with sliding-window layers, over `window` too;
+    for one with attention sinks, with sinks), and it is faster on the model's geometry."""
     if name != "auto":
         get_backend(name)
         if name in KERNELS and (why := _cannot_run(name, heads, kv_heads, head_dim)):
@@ -110,7 +115,7 @@ def resolve_backend(name: str, heads: int, kv_heads: int, head_dim: int, block_s
         if why := _cannot_run(cand, heads, kv_heads, head_dim):
             reasons.append(f"{cand}: {why}")
             continue
-        ok, why = check_backend(cand, heads, kv_heads, head_dim, block_size, dtype, window=window)
+        ok, why = check_backend(cand, heads, kv_heads, head_dim, block_size, dtype, window=window, sinks=sinks)
         reasons.append(why)
         if ok:
             return cand, why

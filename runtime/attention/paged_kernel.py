@@ -15,7 +15,8 @@ bandwidth. Padding costs a sequence nothing here (each reads only its own contex
 a whole decode batch is one group; a sliding-window layer's decodes read their
 window's blocks, from the window's first key. Only one-query groups (decodes) use it; short
 prefill chunks on CUDA have a kernel of their own (paged_prefill.py), and longer ones
-and attention sinks go through `gather`.
+go through `gather`. Attention sinks (gpt-oss) join the softmax where the output is
+written.
 
 The kernels are written once, in CUDA C. For Metal, a prologue names CUDA's block and
 thread indices after Metal's attributes and a header maps the few CUDA intrinsics used
@@ -154,16 +155,32 @@ _PARTIAL = """const long o = ((long)b * n_heads + h_kv * G + g) * n_split + spli
         }"""
 # One split (enough sequences to fill the GPU): the output itself, one kernel a layer.
 _FINAL = """out[((long)b * n_heads + h_kv * G + g) * D + d] = static_cast<T>(a / lsum);"""
+# An attention sink (gpt-oss): a logit of no value in each head's softmax. Where the
+# output is written (one split, or the merge), the sums so far, weighed by their
+# maximum `top`, take the sink's share, reweighed by the larger of the two.
+_SINK = """{
+            const float s_ = static_cast<float>(sinks[HEAD]);
+            const float t_ = fmaxf(TOP, s_);
+            const float c_ = (TOP == NEG_INF) ? 0.f : __expf(TOP - t_);
+            a *= c_;
+            lsum = lsum * c_ + __expf(s_ - t_);
+        }
+        """
 _INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
 
 
-def _attention(epilogue: str, windowed: bool) -> tuple[str, list[str], str]:
+def _attention(epilogue: str, windowed: bool, sinks: bool = False) -> tuple[str, list[str], str]:
     """(name suffix, inputs, source) of the attention kernel with `epilogue`; `windowed`
-    reads each sequence's first key from `key_starts` (a sliding window's start)."""
+    reads each sequence's first key from `key_starts` (a sliding window's start);
+    `sinks` (with the one-split epilogue only) adds each head's sink to its softmax."""
+    suffix, names = "", list(_INPUTS)
+    source = _SOURCE.replace("FIRST", "key_starts[b]" if windowed else "0")
     if windowed:
-        return "_window", _INPUTS + ["key_starts"], _SOURCE.replace("EPILOGUE", epilogue).replace(
-            "FIRST", "key_starts[b]")
-    return "", _INPUTS, _SOURCE.replace("EPILOGUE", epilogue).replace("FIRST", "0")
+        suffix, names = suffix + "_window", names + ["key_starts"]
+    if sinks:
+        suffix, names = suffix + "_sinks", names + ["sinks"]
+        epilogue = _SINK.replace("HEAD", "h_kv * G + g").replace("TOP", "mx_") + epilogue
+    return suffix, names, source.replace("EPILOGUE", epilogue)
 
 
 _MERGE_SOURCE = """
@@ -183,6 +200,7 @@ _MERGE_SOURCE = """
         lsum += out_l[bh * S + s] * c;
         a += out_acc[(bh * S + s) * D + d] * c;
     }
+    SINK
     out[i] = static_cast<T>(a / lsum);
 """
 MERGE_THREADS = 256
@@ -257,12 +275,14 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
                  context_lens: mx.array, max_context: int, scale: float, block_size: int,
-                 dialect: str = "cuda", key_starts: mx.array | None = None) -> mx.array:
+                 dialect: str = "cuda", key_starts: mx.array | None = None,
+                 sinks: mx.array | None = None) -> mx.array:
     """q: (B, H, D), or (B, H, 1, D) as the model's layers hand it over -> the same shape.
     The kernels index only its first two axes and its elements: the singleton axis
     costs no squeeze before nor expand after, each a primitive MLX would queue per layer.
     `key_starts` (B,): each sequence attends keys [key_starts, context_lens) of its
-    table (a sliding window's); all from the first without it."""
+    table (a sliding window's); all from the first without it. `sinks` (H,): each
+    head's sink logit, as `mx.fast.scaled_dot_product_attention` takes them."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     n_kv = k_pool.shape[1]
     if (why := unsupported(h, n_kv, d)) is not None:
@@ -274,8 +294,10 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
                 grid=(WARPS * 32, n_kv, b * splits), threadgroup=(WARPS * 32, 1, 1))
     template = [("D", d), ("G", h // n_kv), ("BS", block_size), ("NW", WARPS), ("LPT", lanes_per_key(d))]
     if splits == 1:
-        suffix, names, source = _attention(_FINAL, windowed)
+        suffix, names, source = _attention(_FINAL, windowed, sinks is not None)
         final = kernel(dialect, "paged_decode_attention_final" + suffix, names, ["out"], source)
+        if sinks is not None:
+            call["inputs"] = call["inputs"] + [sinks]
         return final(**call, template=template + [("T", q.dtype)],
                      output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     suffix, names, source = _attention(_PARTIAL, windowed)
@@ -285,16 +307,21 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: 
         output_shapes=[(b, h, splits, d), (b, h, splits), (b, h, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    return merge_splits(acc, m, l, q.shape, q.dtype, dialect)
+    return merge_splits(acc, m, l, q.shape, q.dtype, dialect, sinks)
 
 
-def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect: str = "cuda") -> mx.array:
+def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect: str = "cuda",
+                 sinks: mx.array | None = None) -> mx.array:
     """Partial softmax sums of (rows, H, splits) -> the attention output, (rows, H, ...D)
     as `shape`: each split's sums weighed by its maximum (natural-log units, -inf for a
-    split that saw no key) against the rows' overall one."""
+    split that saw no key) against the rows' overall one; `sinks` (H,) join the softmax."""
     total = acc.shape[0] * acc.shape[1] * acc.shape[3]
-    return kernel(dialect, "paged_decode_merge", ["out_acc", "out_m", "out_l"], ["out"], _MERGE_SOURCE)(
-        inputs=[acc, m, l],
+    names, source, name = ["out_acc", "out_m", "out_l"], _MERGE_SOURCE.replace("SINK", ""), "paged_decode_merge"
+    if sinks is not None:
+        names, name = names + ["sinks"], name + "_sinks"
+        source = _MERGE_SOURCE.replace("SINK", _SINK.replace("HEAD", "bh % out_acc_shape[1]").replace("TOP", "top"))
+    return kernel(dialect, name, names, ["out"], source)(
+        inputs=[acc, m, l] + ([sinks] if sinks is not None else []),
         template=[("T", dtype)],
         grid=(-(-total // MERGE_THREADS) * MERGE_THREADS, 1, 1),
         threadgroup=(MERGE_THREADS, 1, 1),
@@ -306,16 +333,17 @@ def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect:
 def attend_group(dialect: str, q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
                  scale: float, block_size: int, sinks: mx.array | None = None,
                  window: int | None = None) -> mx.array:
-    """The `cuda` and `metal` backends: the fused kernel for decode groups, `gather` for
-    the rest (prefill chunks, attention sinks). A sliding-window layer's decodes read
-    their window's blocks in place (`GroupMetadata.windowed_decode`)."""
-    if not g.single_query or sinks is not None:
+    """The `cuda` and `metal` backends: the fused kernel for decode groups (with their
+    layer's attention sinks, if any), `gather` for the rest (prefill chunks). A
+    sliding-window layer's decodes read their window's blocks in place
+    (`GroupMetadata.windowed_decode`)."""
+    if not g.single_query:
         return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks, window)
     if window is None:
         return paged_decode(q, k_pool, v_pool, g.block_tables, g.context_lens, g.max_context_len, scale,
-                            block_size, dialect)
+                            block_size, dialect, sinks=sinks)
     tables, lens, starts, longest = g.windowed_decode(window, block_size)
-    return paged_decode(q, k_pool, v_pool, tables, lens, longest, scale, block_size, dialect, starts)
+    return paged_decode(q, k_pool, v_pool, tables, lens, longest, scale, block_size, dialect, starts, sinks)
 
 
 attend_cuda = partial(attend_group, "cuda")

@@ -78,6 +78,14 @@ def layer_windows(model, model_type: str | None = None) -> list[int | None]:
     return windows
 
 
+def has_attention_sinks(model) -> bool:
+    """Whether the model's attention layers hold sink logits (gpt-oss's `sinks`), which
+    mlx-lm hands to attention beside the keys."""
+    from mlx.utils import tree_flatten
+
+    return any(name == "sinks" or name.endswith(".sinks") for name, _ in tree_flatten(model.parameters()))
+
+
 def kv_geometry(model) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) from the model's args."""
     args = model.args
