@@ -134,7 +134,6 @@ class GroupMetadata:
             self._derived[("window", window, dtype, grouped)] = got
         return got
 
-
     def windowed_decode(self, window: int, block_size: int) -> tuple[mx.array, mx.array, mx.array, int]:
         """A sliding-window layer's view of a one-query group for the fused decode
         kernel, made once for all such layers: (B, n) block tables from the block of
