@@ -112,6 +112,21 @@ def test_autoscaling_up_and_down(cluster):
     assert peak == 2 and running() == 1
 
 
+def _alive_actor_nodes(list_actors, class_name: str, timeout_s: float = 60) -> set[str]:
+    """The nodes of a class's live actors, through Ray's state API, which reads the
+    dashboard: on a loaded machine the dashboard can come up after Serve's replicas, so
+    its errors are retried for a while."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return {a.node_id for a in list_actors(filters=[("class_name", "=", class_name),
+                                                            ("state", "=", "ALIVE")])}
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def test_shipped_cluster_config_deploys(cluster, monkeypatch):
     """configs/cluster.yaml as shipped, on the simulated Macs, with two things swapped:
     the model (the embedded one; nothing is downloaded here) and its KV pool's size."""
@@ -135,8 +150,7 @@ def test_shipped_cluster_config_deploys(cluster, monkeypatch):
     deployments = serve.status().applications["shipped"].deployments
     assert deployments["LLMServer"].replica_states.get("RUNNING") == 2      # initial_replicas
     assert deployments["OpenAIIngress"].replica_states.get("RUNNING") == 2  # min_replicas
-    nodes = {a.node_id for a in list_actors(filters=[("class_name", "=", "ServeReplica:shipped:LLMServer"),
-                                                     ("state", "=", "ALIVE")])}
+    nodes = _alive_actor_nodes(list_actors, "ServeReplica:shipped:LLMServer")
     mac_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("mac")}
     assert len(nodes) == 2 and nodes <= mac_nodes, "one replica per Mac"
 
