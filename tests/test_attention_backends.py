@@ -273,16 +273,17 @@ def _windowed_reference(q, k_pool, v_pool, tables, starts, lengths, block_size, 
 
 def _decode_view(q, k_pool, v_pool, g, scale, block_size, sinks=None, window=None):
     """What the fused decode kernels compute for a sliding-window layer's decodes, in
-    MLX ops: each sequence's keys [first, keys) of its view (`windowed_decode`); any
-    other group through `gather`, as the kernels' backends send it."""
-    if not g.single_query or sinks is not None or window is None:
+    MLX ops: each sequence's keys [first, lens) of its view (`windowed_decode`), with
+    the layer's sinks if any; any other group through `gather`, as the kernels'
+    backends send it."""
+    if not g.single_query or window is None:
         return gather.attend_group(q, k_pool, v_pool, g, scale, block_size, sinks, window)
     tables, lens, first, longest = g.windowed_decode(window, block_size)
     assert longest <= tables.shape[1] * block_size
     k, v = gather.gather_kv(k_pool, tables, block_size), gather.gather_kv(v_pool, tables, block_size)
     keys = mx.arange(tables.shape[1] * block_size)[None]
     allowed = (keys >= first[:, None]) & (keys < lens[:, None])
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=allowed[:, None, None, :])
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=allowed[:, None, None, :], sinks=sinks)
 
 
 @pytest.mark.parametrize("through", ["gather", "kernel view", pytest.param("cuda", marks=needs_cuda)])
