@@ -281,6 +281,9 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _tool_fields(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (a string or text parts); "
+                             "only an assistant message may leave it null")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):

@@ -138,6 +138,7 @@ BAD_INPUTS = [
     ("tool parameters not an object", CH, {**CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "string"}}}], "tool_choice": "required"}, 400),
     ("auto tools on a model without a tool format", CH, {**CHAT, "tools": [TOOL]}, 400),
+    ("user message with null content", CH, {**CHAT, "messages": [{"role": "user", "content": None}]}, 400),
     ("tool message without tool_call_id", CH, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400),
     ("legacy function_call in a message", CH, {**CHAT, "messages": [{"role": "assistant", "content": "x",
         "function_call": {"name": "f", "arguments": "{}"}}]}, 400),
