@@ -118,14 +118,11 @@ class GroupMetadata:
         if got is None:
             qpos = self.query_pos
             b, lq = qpos.shape
-            width = self.block_tables.shape[1]
-            n = min(width, -(-(window - 1 + lq) // block_size) + 1)
             big = mx.array(np.iinfo(np.int32).max, qpos.dtype)
             first = mx.min(mx.where(qpos > 0, qpos, big), axis=1)
             first = mx.where(first == big, 0, first)
             start = mx.maximum(first - window + 1, 0) // block_size               # (B,)
-            idx = start[:, None] + mx.arange(n, dtype=start.dtype)[None]            # (B, n)
-            tables = mx.take_along_axis(self.block_tables, mx.minimum(idx, width - 1), axis=1)
+            idx, tables = self._tables_from(start, window - 1 + lq, block_size)
             keys = (idx[:, :, None] * block_size + mx.arange(block_size, dtype=idx.dtype)).reshape(b, 1, 1, -1)
             q = qpos[:, None, :, None]
             allowed = (keys <= q) & (keys > q - window)
@@ -142,17 +139,24 @@ class GroupMetadata:
         keys (p - window, p], as `windowed`, and n blocks however long the context."""
         got = self._derived.get(("window_decode", window))
         if got is None:
-            width = self.block_tables.shape[1]
-            n = min(width, -(-window // block_size) + 1)
             start_key = mx.maximum(self.context_lens - window, 0)
             start = start_key // block_size                                          # (B,)
-            idx = mx.minimum(start[:, None] + mx.arange(n, dtype=start.dtype)[None], width - 1)
-            tables = mx.take_along_axis(self.block_tables, idx, axis=1)
+            _, tables = self._tables_from(start, window, block_size)
             offset = start * block_size
             got = (tables, self.context_lens - offset, start_key - offset,
-                   min(self.max_context_len, n * block_size))
+                   min(self.max_context_len, tables.shape[1] * block_size))
             self._derived[("window_decode", window)] = got
         return got
+
+    def _tables_from(self, start: mx.array, span: int, block_size: int) -> tuple[mx.array, mx.array]:
+        """Each sequence's table from its block `start` (B,) on, n blocks wide: enough
+        for `span` keys from any offset in the first. Returns the (B, n) indices into the
+        tables and the block ids there (indices clipped to the table's width; the ones
+        past it fall beyond every context and are never attended)."""
+        width = self.block_tables.shape[1]
+        n = min(width, -(-span // block_size) + 1)
+        idx = start[:, None] + mx.arange(n, dtype=start.dtype)[None]
+        return idx, mx.take_along_axis(self.block_tables, mx.minimum(idx, width - 1), axis=1)
 
 
 def _additive(allowed: mx.array, dtype: mx.Dtype, grouped: bool) -> mx.array:
