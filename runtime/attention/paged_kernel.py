@@ -26,7 +26,7 @@ tested on: the start-up self-check against `gather` (`check_backend`) is that pa
 only guard, and a kernel that fails it is not used.
 """
 
-from functools import partial
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
@@ -169,10 +169,12 @@ _SINK = """{
 _INPUTS = ["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
 
 
+@lru_cache(maxsize=None)
 def _attention(epilogue: str, windowed: bool, sinks: bool = False) -> tuple[str, list[str], str]:
     """(name suffix, inputs, source) of the attention kernel with `epilogue`; `windowed`
     reads each sequence's first key from `key_starts` (a sliding window's start);
-    `sinks` (with the one-split epilogue only) adds each head's sink to its softmax."""
+    `sinks` (with the one-split epilogue only) adds each head's sink to its softmax.
+    Made once per variant: layers call for them every step."""
     suffix, names = "", list(_INPUTS)
     source = _SOURCE.replace("FIRST", "key_starts[b]" if windowed else "0")
     if windowed:
@@ -316,10 +318,7 @@ def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect:
     as `shape`: each split's sums weighed by its maximum (natural-log units, -inf for a
     split that saw no key) against the rows' overall one; `sinks` (H,) join the softmax."""
     total = acc.shape[0] * acc.shape[1] * acc.shape[3]
-    names, source, name = ["out_acc", "out_m", "out_l"], _MERGE_SOURCE.replace("SINK", ""), "paged_decode_merge"
-    if sinks is not None:
-        names, name = names + ["sinks"], name + "_sinks"
-        source = _MERGE_SOURCE.replace("SINK", _SINK.replace("HEAD", "bh % out_acc_shape[1]").replace("TOP", "top"))
+    name, names, source = _merge(sinks is not None)
     return kernel(dialect, name, names, ["out"], source)(
         inputs=[acc, m, l] + ([sinks] if sinks is not None else []),
         template=[("T", dtype)],
@@ -328,6 +327,15 @@ def merge_splits(acc: mx.array, m: mx.array, l: mx.array, shape, dtype, dialect:
         output_shapes=[shape],
         output_dtypes=[dtype],
     )[0]
+
+
+@lru_cache(maxsize=None)
+def _merge(sinks: bool) -> tuple[str, list[str], str]:
+    """(name, inputs, source) of the merge kernel, with each head's sink or without."""
+    if sinks:
+        return ("paged_decode_merge_sinks", ["out_acc", "out_m", "out_l", "sinks"],
+                _MERGE_SOURCE.replace("SINK", _SINK.replace("HEAD", "bh % out_acc_shape[1]").replace("TOP", "top")))
+    return "paged_decode_merge", ["out_acc", "out_m", "out_l"], _MERGE_SOURCE.replace("SINK", "")
 
 
 def attend_group(dialect: str, q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetadata,
