@@ -73,11 +73,13 @@ def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetada
     """q: (B, H, Lq, D) -> (B, H, Lq, D). `window`: a sliding-window layer's, which
     attends each query's last `window` keys, and reads only the blocks they are in
     (`GroupMetadata.windowed`)."""
-    # A windowed layer with sinks (gpt-oss's) takes the matmul way too: MLX's fused
-    # attention with sinks gave prefill chunks whose windows start past their first
-    # block wrong outputs on CUDA (H100, MLX 0.32.4: a gpt-oss-shaped model's logprobs
-    # 0.13-0.45 off mlx-lm's), while the same masks without sinks, or sinks with
-    # causal masks, matched.
+    # A windowed layer with sinks (gpt-oss's) takes the matmul way too. It was sent there
+    # on a suspicion of MLX's fused attention with sinks on CUDA, where a gpt-oss-shaped
+    # model's logprobs read 0.13-0.45 off mlx-lm's (H100); that did not close the gap,
+    # and a standalone check later found the fused attention exact, so the cause lies
+    # elsewhere (bench/results/README.md). The way is kept for its speed: a window's
+    # decode read in 0.12 ms at 8,192 tokens x 128 sequences, against 0.43 ms fused
+    # without sinks (H200, `bench/sliding_window.py`).
     grouped = (g.unfused and sinks is None) or (window is not None and sinks is not None)
     if window is None:
         tables, mask = g.block_tables, g.additive_mask(q.dtype, grouped)
