@@ -34,6 +34,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
+from .harmony import HarmonyParser, is_harmony
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
@@ -125,6 +126,9 @@ class OpenAIIngress:
         # The first encode resets any truncation or padding a tokenizer file sets (a
         # write to the shared tokenizer): done here, before threads share it.
         self.tokenizer.encode("warm-up")
+        self.harmony = is_harmony(self.tokenizer)
+        # Where a harmony turn's reasoning ends, for its usage: its first message's end.
+        self._harmony_end = self.tokenizer.get_vocab()["<|end|>"] if self.harmony else None
         self._tokenize_pool = ThreadPoolExecutor(min(TOKENIZE_THREADS, os.cpu_count() or 1),
                                                  thread_name_prefix="tokenize")
         self.metrics = Metrics(self.model_name)
@@ -509,7 +513,7 @@ class OpenAIIngress:
         `ChoiceParser` (or None), when it was sent, and its first output and stream.
         `ids`: the prompt's token ids where they were made already (`_truncated`)."""
         mode = body.tool_mode()
-        if mode == "auto" and not self.tokenizer.has_tool_calling:
+        if mode == "auto" and not (self.tokenizer.has_tool_calling or self.harmony):
             raise HTTPError(400, "this model has no tool-call format that mlx-lm can parse, so tool_choice "
                                  "'auto' (the default with tools) cannot work; use 'required' or name a "
                                  "function, which hold the output to the tools' JSON", param="tool_choice")
@@ -518,6 +522,8 @@ class OpenAIIngress:
                                        body.template_kwargs())
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
+        if self.harmony:
+            params.skip_special_tokens = False   # harmony's framing is special tokens
         if mode == "auto":
             params.skip_special_tokens = False   # some families' call markers are special tokens
             fmt = body.response_format if body.response_format and body.response_format.type != "text" else None
@@ -662,7 +668,7 @@ class OpenAIIngress:
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k(), ids)
         parser = parser or ChoiceParser
         envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
-        end = markers[1] if markers else None
+        end = markers[1] if markers else self._harmony_end
         text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
         keep = partial(self._keep, body, owner, own)
         if body.stream:
@@ -727,6 +733,9 @@ class OpenAIIngress:
         are asked of a thinking model whose markers span several tokens: its answer's
         tokens cannot be told from its reasoning's."""
         markers = think_markers(self.tokenizer)
+        if body.wants_logprobs and self.harmony:
+            raise HTTPError(400, "this model writes harmony turns, whose answer's tokens are not told from its "
+                                 "reasoning's here: output_text logprobs are not available", param="include")
         if body.wants_logprobs and self.tokenizer.has_thinking and markers is None:
             raise HTTPError(400, "this model's think markers are not single tokens, so its answer's tokens "
                                  "cannot be told from its reasoning's: output_text logprobs are not available",
@@ -769,7 +778,10 @@ class OpenAIIngress:
 
     def _choice_parser(self, ids: list[int], body, mode: str | None):
         """What makes a `ChoiceParser` per choice, where reasoning or tool calls are split
-        out of the text; None where the text is the content as it is."""
+        out of the text; None where the text is the content as it is. A harmony model's
+        text is read by its own parser, except where a forced choice holds it to calls."""
+        if self.harmony and mode in (None, "auto", "none"):
+            return partial(HarmonyParser, mode == "auto")
         split = None
         if self.tokenizer.has_thinking:
             split = partial(ReasoningSplit, self.tokenizer.think_start, self.tokenizer.think_end,

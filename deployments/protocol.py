@@ -313,6 +313,7 @@ class ChatMessage(_Strict):
         reasoning = self.reasoning or self.reasoning_content
         if reasoning:
             m["reasoning_content"] = reasoning   # the name Qwen3's and DeepSeek's templates read
+            m["thinking"] = reasoning            # and gpt-oss's
         return m
 
 

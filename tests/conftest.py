@@ -3,6 +3,7 @@
 import functools
 import os
 import resource
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +119,42 @@ def mistral_model(tmp_path_factory):
     "[TOOL_CALLS]" and "[ARGS]" special tokens as in Mistral's tokenizers."""
     return make_format_model(tmp_path_factory.mktemp("mistral-model") / "model", ("[TOOL_CALLS]", "[ARGS]"),
                              MISTRAL_TEMPLATE, special=True)
+
+
+# gpt-oss's harmony framing, cut down: messages `<|start|>ROLE<|message|>...<|end|>`, the
+# tools in a developer message, an earlier turn's reasoning, calls and their results as
+# gpt-oss's own template writes them; the prompt ends in `<|start|>assistant`.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|>Functions:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|end|>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>"
+    "{% endif %}"
+    "{%- for tc in m.tool_calls or [] %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary"
+    " json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{%- if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name or 'tool' }} to=assistant<|channel|>commentary"
+    "<|message|>{{ m.content }}<|end|>"
+    "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory):
+    """A random-weight model of gpt-oss's harmony format (`HARMONY_TEMPLATE`): its markers
+    special tokens, `<|return|>` and `<|call|>` among its EOS tokens as gpt-oss's
+    generation config has them."""
+    import json
+
+    out = make_format_model(tmp_path_factory.mktemp("harmony-model") / "model", HARMONY_MARKERS,
+                            HARMONY_TEMPLATE, special=True)
+    ids = {t["content"]: t["id"] for t in json.loads((Path(out) / "tokenizer.json").read_text())["added_tokens"]}
+    (Path(out) / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|return|>"], 0,
+                                                                                 ids["<|call|>"]]}))
+    return out
 
 
 @functools.lru_cache(maxsize=8)

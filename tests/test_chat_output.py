@@ -14,7 +14,7 @@ import pytest
 
 from deployments.protocol import ChatCompletionRequest, ResponseFormat, chat_prompt_ids
 from deployments.reasoning import ReasoningSplit
-from deployments.chat_output import ChoiceParser
+from deployments.chat_output import ChoiceParser, joined_pieces
 from deployments.tools import ToolOutput, auto_constraint, constraint
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
@@ -465,3 +465,50 @@ def test_only_an_object_answer_goes_beside_the_calls():
     assert fmt(type="json_schema", json_schema={"name": "a", "schema": obj}) == obj
     assert fmt(type="json_schema", json_schema={"name": "a", "schema": {"properties": {}}}) == {"properties": {}}
     assert fmt(type="json_schema", json_schema={"name": "a", "schema": {"type": "array"}}) is None
+
+
+# gpt-oss's harmony turns: (text, whether calls are parsed, finish reason in, expected
+# reasoning, content, calls, finish reason out).
+_ANALYSIS = "<|channel|>analysis<|message|>They want the weather.<|end|>"
+_CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}"
+HARMONY_TURNS = [
+    (_ANALYSIS + "<|start|>assistant<|channel|>final<|message|>Sunny, 20 C.", True, "stop",
+     "They want the weather.", "Sunny, 20 C.", [], "stop"),
+    (_ANALYSIS + _CALL, True, "stop", "They want the weather.", "", [("get_weather", {"city": "Oslo"})], "tool_calls"),
+    # The recipient before the channel; a preamble first, as commentary without one.
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_time<|channel|>commentary "
+     "json<|message|>{\"zone\": \"UTC\"}", True, "stop", "", "Checking.", [("get_time", {"zone": "UTC"})], "tool_calls"),
+    # Without tools, a call's body is content; a built-in tool's call is reasoning.
+    (_ANALYSIS + _CALL, False, "stop", "They want the weather.", "{\"city\": \"Oslo\"}", [], "stop"),
+    ("<|channel|>analysis to=browser.search<|message|>{\"q\": \"oslo\"}<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Done.", True, "stop", "{\"q\": \"oslo\"}", "Done.", [], "stop"),
+    # Cut by the token limit inside the reasoning, or inside a header.
+    ("<|channel|>analysis<|message|>Thinking abo", True, "length", "Thinking abo", "", [], "length"),
+    (_ANALYSIS + "<|start|>assistant<|chan", True, "length", "They want the weather.", "", [], "length"),
+    # Not harmony's framing (held to JSON by a response format): content as it is.
+    ("{\"city\": \"Oslo\"}", True, "stop", "", "{\"city\": \"Oslo\"}", [], "stop"),
+    ("<|x", True, "stop", "", "<|x", [], "stop"),
+]
+
+
+@pytest.mark.parametrize("text, calls, reason_in, reasoning, content, expected_calls, reason", HARMONY_TURNS)
+def test_harmony_turns_split_whole_and_in_any_pieces(text, calls, reason_in, reasoning, content, expected_calls,
+                                                     reason):
+    from deployments.harmony import HarmonyParser
+
+    whole, got_reason = HarmonyParser(calls).message(text, reason_in)
+    assert (whole.get("reasoning", ""), whole["content"] or "", got_reason) == (reasoning, content, reason)
+    assert _plain(whole.get("tool_calls", [])) == expected_calls
+    assert (whole["content"] is None) == bool(expected_calls and not content)
+    for seed in range(20):
+        parser, rng, got, i = HarmonyParser(calls), random.Random(seed), {"reasoning": "", "content": "",
+                                                                           "tool_calls": []}, 0
+        while i < len(text):
+            n = rng.randint(1, 9)
+            delta, out_reason = parser.feed(text[i:i + n], reason_in if i + n >= len(text) else None)
+            for key, v in delta.items():
+                got[key] += v
+            i += n
+        assert (got["reasoning"], got["content"], out_reason) == (reasoning, content, reason)
+        assert _plain(joined_pieces(got["tool_calls"])) == expected_calls
+        assert all("<|" not in v for v in (got["reasoning"], got["content"])) or content.startswith("<|")

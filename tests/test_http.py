@@ -26,10 +26,10 @@ MODEL = "default"
 
 
 @pytest.fixture(scope="module")
-def server(format_model, mistral_model):
+def server(format_model, mistral_model, harmony_model):
     """Each app twice: as two deployments (ingress and LLMServer) and colocated; and the
-    embedded model with a chat template that has a tool-call format, and with Mistral's
-    (that one without a response store)."""
+    embedded model with a chat template that has a tool-call format, with Mistral's
+    (that one without a response store) and with gpt-oss's harmony format."""
     small = {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
     apps = []
@@ -50,6 +50,8 @@ def server(format_model, mistral_model):
     apps.append(app("mistral", "/mistral", model=mistral_model, served_model_name=MODEL, engine=small, colocate=True,
                     llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0,
                     response_store={"enabled": False}))
+    apps.append(app("harmony", "/harmony", model=harmony_model, served_model_name=MODEL, engine=small, colocate=True,
+                    llm_server={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}, stream_interval_ms=0))
     srv = ServeRun(apps)
     yield srv
     srv.stop()
@@ -507,6 +509,68 @@ def test_mistrals_calls_under_auto(server):
     answered = client.chat.completions.create(**{**kw, "tools": [WEATHER, CLOCK], "logit_bias": {brace: 100}},
                                               response_format=empty).choices[0]
     assert (answered.message.content, answered.message.tool_calls, answered.finish_reason) == ("{}", None, "stop")
+
+
+def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
+    """gpt-oss's harmony format, its markers special tokens: a turn held (by a grammar of
+    marker tokens and text) to reasoning then a call comes back as `reasoning` and the
+    call, whole and streamed, finish "tool_calls"; the next turn, after the call's
+    result, as reasoning and content. A forced tool choice, in chat or in the Responses
+    API, holds the text to the calls' JSON, read as calls, not as harmony."""
+    url = server.urls["harmony"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    names = ("start", "channel", "message", "end", "constrain")
+    ids = httpx.post(url + "/tokenize", json={"model": MODEL, "add_special_tokens": False,
+                                              "prompt": "".join(f"<|{n}|>" for n in names)}).json()["tokens"]
+    m = {n: f"<[{i}]>" for n, i in zip(names, ids)}
+
+    def held(*parts):
+        return {"structured_outputs": {"grammar": "start: " + " ".join(parts)}}
+
+    args = '{"city": "Oslo", "unit": "C"}'
+    calling = held(m["channel"], '"analysis"', m["message"], '"Weather asked."', m["end"], m["start"], '"assistant"',
+                   m["channel"], '"commentary to=functions.get_weather "', m["constrain"], '"json"', m["message"],
+                   json.dumps(args))
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=200, tools=[WEATHER, CLOCK])
+    choice = client.chat.completions.create(**kw, extra_body=calling).choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.reasoning) == (
+        "tool_calls", None, "Weather asked.")
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", args)
+    chunks = list(client.chat.completions.create(**kw, extra_body=calling, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Weather asked."
+    pieces = [c for d in deltas for c in d.tool_calls or []]   # the arguments stream as written
+    assert pieces[0].function.name == "get_weather" and {c.index for c in pieces} == {0}
+    assert "".join(c.function.arguments or "" for c in pieces) == args
+    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    history = ASK + [{"role": "assistant", "content": None, "reasoning": choice.message.reasoning,
+                      "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 20 C."}]
+    toks = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": history}).json()["tokens"]
+    shown = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": toks}).json()["prompt"]
+    assert ("<|channel|>analysis<|message|>Weather asked.<|end|><|start|>assistant to=functions.get_weather"
+            f"<|channel|>commentary json<|message|>{args}<|call|>") in shown   # the turn goes back as written
+    answering = held(m["channel"], '"analysis"', m["message"], '"Got it."', m["end"], m["start"], '"assistant"',
+                     m["channel"], '"final"', m["message"], '"Sunny in Oslo."')
+    answer = client.chat.completions.create(**{**kw, "messages": history}, extra_body=answering).choices[0]
+    assert (answer.finish_reason, answer.message.reasoning, answer.message.content, answer.message.tool_calls) == (
+        "stop", "Got it.", "Sunny in Oslo.", None)
+
+    # A forced choice holds the text to the calls' JSON, which the tool parser reads.
+    forced = client.chat.completions.create(**kw, tool_choice="required").choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.tool_calls[0].function.name in ("get_weather",
+                                                                                                  "get_time")
+    r = client.responses.create(model=MODEL, input="Weather in Oslo?", temperature=0, max_output_tokens=200,
+                                tools=[{"type": "function", **WEATHER["function"]}],
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (item,) = r.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    _weather_args(item.arguments)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", include=["message.output_text.logprobs"])
+    assert e.value.body["param"] == "include" and "harmony" in e.value.body["message"]
 
 
 def test_an_agent_frameworks_turn_is_served(server):

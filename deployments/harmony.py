@@ -1,0 +1,119 @@
+"""gpt-oss's harmony format in /v1/chat/completions and /v1/responses.
+
+gpt-oss writes its turn as messages, each `<|channel|>NAME[ to=RECIPIENT][ <|constrain|>json]
+<|message|>BODY`, ended by `<|end|>` (the next one opens with `<|start|>assistant`, and
+a recipient may stand before the channel), `<|call|>` (a tool call: the turn stops) or
+`<|return|>` (the answer is done). Its markers are special tokens, so a harmony model's
+text is decoded with them kept and read here: the `analysis` channel is the reasoning,
+`final` the content, a message addressed `to=functions.NAME` a call of NAME with the
+body as its arguments (where the request offered tools), other commentary content (a
+preamble before calls, as OpenAI's models write). The stop tokens end generation and
+never reach the text, so a call is told by its recipient, not by `<|call|>`.
+
+Text that does not open with harmony's framing (an output held to JSON by a response
+format or a forced tool choice) is content as it is. mlx-lm has no parser for this
+format; vLLM reads it with OpenAI's `openai_harmony`, which fetches its vocabulary at
+run time, so this one works on the decoded text.
+"""
+
+import re
+
+from .chat_output import ChoiceParser, joined_pieces, partial_marker
+from .tools import tool_call
+
+MESSAGE = "<|message|>"
+ENDS = ("<|end|>", "<|call|>", "<|return|>")
+# What the text of a harmony turn opens with: the first message's channel or recipient
+# (the prompt ends in `<|start|>assistant`), or a new message.
+OPENERS = ("<|channel|>", " to=", "<|start|>")
+MARKERS = ("<|start|>", "<|channel|>", MESSAGE, *ENDS)
+
+_CHANNEL = re.compile(r"<\|channel\|>\s*([\w.-]+)")
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+def is_harmony(tokenizer) -> bool:
+    """Whether the tokenizer's vocabulary has harmony's markers, each one token."""
+    vocab = tokenizer.get_vocab()
+    return all(m in vocab for m in MARKERS)
+
+
+class HarmonyParser(ChoiceParser):
+    """One choice's harmony text, whole or as it streams, as reasoning, content and tool
+    calls in the order written. `calls`: whether messages to `functions.*` are tool calls
+    (the request's tools under "auto"); otherwise their bodies are content."""
+
+    def __init__(self, calls: bool = False):
+        super().__init__()
+        self.parse_calls = calls
+        self.state = "open"     # "open": framing not yet told; "header"; "body"; "plain"
+        self.pending = ""       # text held until it can be told
+        self.route = "content"  # where the current body goes: a kind, or a call's index
+        self.calls = 0
+
+    def parts(self, delta: str, finish_reason: str | None) -> tuple[list[tuple[str, object]], str | None]:
+        final = finish_reason is not None
+        text, self.pending, out = self.pending + delta, "", []
+        while text:
+            if self.state == "open":
+                if not final and any(o.startswith(text) for o in OPENERS):
+                    self.pending = text
+                    break
+                self.state = "header" if text.startswith(OPENERS) else "plain"
+            if self.state == "plain":
+                out.append(("content", text))
+                break
+            if self.state == "header":
+                at = text.find(MESSAGE)
+                if at < 0:
+                    self.pending = "" if final else text   # a header cut off says nothing
+                    break
+                out += self._open(text[:at])
+                text, self.state = text[at + len(MESSAGE):], "body"
+                continue
+            ends = [(i, m) for m in ENDS if (i := text.find(m)) >= 0]
+            if ends:
+                at, marker = min(ends)
+                out += self._body(text[:at])
+                text, self.state = text[at + len(marker):], "header"
+                continue
+            keep = 0 if final else max(partial_marker(text, m) for m in ENDS)
+            out += self._body(text[:len(text) - keep])
+            self.pending = text[len(text) - keep:]
+            break
+        if final and self.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return [(kind, v) for kind, v in out if v], finish_reason
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        parts, finish_reason = self.parts(text, finish_reason or "stop")
+        message = {"role": "assistant"}
+        reasoning = "".join(v for kind, v in parts if kind == "reasoning")
+        if reasoning:
+            message["reasoning"] = reasoning
+        content = "".join(v for kind, v in parts if kind == "content")
+        calls = joined_pieces([c for kind, v in parts if kind == "tool_calls" for c in v])
+        if not calls:
+            return {**message, "content": content}, finish_reason
+        return {**message, "content": content or None,
+                "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}, finish_reason
+
+    def _open(self, header: str) -> list[tuple[str, object]]:
+        """A message's header read: where its body goes; a call's opening piece."""
+        channel = _CHANNEL.search(header)
+        recipient = _RECIPIENT.search(header)
+        to = recipient.group(1) if recipient else None
+        if to and to.startswith("functions.") and self.parse_calls:
+            self.route, self.calls = self.calls, self.calls + 1
+            return [("tool_calls", [tool_call(to[len("functions."):], "", self.route)])]
+        # A built-in tool's call (`browser.*`, `python`) is the model's own work.
+        self.route = "reasoning" if (channel and channel.group(1) == "analysis") or (
+            to and not to.startswith("functions.")) else "content"
+        return []
+
+    def _body(self, text: str) -> list[tuple[str, object]]:
+        if not text:
+            return []
+        if isinstance(self.route, int):
+            return [("tool_calls", [{"index": self.route, "function": {"arguments": text}}])]
+        return [(self.route, text)]
