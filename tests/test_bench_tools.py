@@ -6,14 +6,15 @@ still completes every request with the roomy run's tokens; `kv_sharing` computes
 prefix once; `prefill_stall` keeps running streams decoding while a chunked prompt enters;
 `hit_profile` hits the cache in its hit pass only; `loop_profile` times hits through each
 driver; `shape_plans` counts the row grid; `step_ops` counts each kind of step's
-primitives; `sliding_window` times a windowed layer's ways, which agree."""
+primitives; `sliding_window` times a windowed layer's ways, which agree; `moe_determinism`
+runs each of its ways of mlx-lm's forward, which on the CPU are the CPU's."""
 
 import json
 import os
 import sys
 
-from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, loop_profile, mixed_prefill, prefill_stall,
-                   prefix_sweep, process_cpu, shape_plans, sliding_window, step_ops, step_profile,
+from bench import (buffer_cache, hit_profile, kv_budget, kv_sharing, loop_profile, mixed_prefill, moe_determinism,
+                   prefill_stall, prefix_sweep, process_cpu, shape_plans, sliding_window, step_ops, step_profile,
                    structured_output)
 from runtime.attention import KERNELS, available, metadata
 
@@ -269,3 +270,14 @@ def test_sliding_window_times_both_windowed_ways_and_they_agree(tmp_path):
         ways |= {"full layer, decode kernel", "window, decode kernel"}
     assert {r["way"] for r in rows} == ways
     assert len(rows) == 2 * len(ways) and all(r["us_per_call"] > 0 and r["max_abs_diff_windowed_ways"] < 1e-4 for r in rows)
+
+
+def test_moe_determinism_runs_each_way_of_mlx_lms_forward(tmp_path):
+    out = tmp_path / "moe.json"
+    moe_determinism.main(["--lengths", "9", "40", "--runs", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["way"]) for r in rows] == [
+        (n, w) for n in (9, 40) for w in ("one graph", "eval after each layer", "experts unsorted")]
+    assert all(len(r["max_abs_logit_off_cpu"]) == 2 for r in rows)
+    if not any(available(d) for d in KERNELS):   # the CPU against itself
+        assert all(d < 1e-5 for r in rows for d in r["max_abs_logit_off_cpu"])
