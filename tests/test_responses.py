@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.chat_output import ChoiceParser
+from deployments.harmony import HarmonyParser
 from deployments.reasoning import ReasoningSplit
 from deployments.responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
                                   whole_response)
@@ -92,6 +93,8 @@ def test_fields_that_change_nothing_here_are_taken():
 
 
 def _parser(mode=None, opened=False):
+    if mode in ("harmony", "harmony-calls"):   # gpt-oss's turns, its calls parsed or not
+        return HarmonyParser(mode == "harmony-calls")
     tools = ToolOutput(mode, None, [TOOL]) if mode else None
     return ChoiceParser(ReasoningSplit("<think>", "</think>", opened), tools)
 
@@ -114,6 +117,13 @@ def _whole(parser, text, finish, logprobs=None) -> list[dict]:
     ('{"city": "Oslo"}', "get_weather", "stop"),
     ('{"city": "Os', "get_weather", "length"),
     ('<think>pick</think>[{"name": "get_weather", "parameters": {"city": "Par', "required", "length"),
+    ("<|channel|>analysis<|message|>plan it<|end|><|start|>assistant<|channel|>final<|message|>Hello there",
+     "harmony", "stop"),
+    ("<|channel|>analysis<|message|>still thinking", "harmony", "length"),
+    ("<|channel|>analysis<|message|>pick<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+     '<|constrain|>json<|message|>{"city": "Paris"}', "harmony-calls", "stop"),
+    ('<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_weather<|channel|>'
+     'commentary json<|message|>{"city": "Pa', "harmony-calls", "length"),
 ])
 def test_the_stream_and_the_whole_response_agree(text, mode, finish):
     """However the text is cut, the events add up to the items the whole response has,
@@ -124,7 +134,7 @@ def test_the_stream_and_the_whole_response_agree(text, mode, finish):
     the limit cut; every item before it reads completed."""
     whole = _whole(_parser(mode), text, finish)
     statuses = [i["status"] for i in whole]
-    done = len(whole) if finish != "length" else 0 if text.startswith("<think>still") else len(whole) - 1
+    done = len(whole) if finish != "length" else 0 if "still" in text else len(whole) - 1
     assert statuses == ["completed"] * done + ["incomplete"] * (len(whole) - done)
     message, _ = _parser(mode).message(text, finish)
     kinds = {"reasoning": "reasoning_text", "message": "output_text"}
