@@ -730,8 +730,8 @@ class OpenAIIngress:
 
     def _text_logprobs_markers(self, body: ResponsesRequest) -> tuple[int, int] | None:
         """The model's think marker ids (`think_markers`). A 400 where output_text logprobs
-        are asked of a thinking model whose markers span several tokens: its answer's
-        tokens cannot be told from its reasoning's."""
+        are asked of a thinking model whose markers span several tokens, or of a harmony
+        model: its answer's tokens cannot be told from its reasoning's."""
         markers = think_markers(self.tokenizer)
         if body.wants_logprobs and self.harmony:
             raise HTTPError(400, "this model writes harmony turns, whose answer's tokens are not told from its "
