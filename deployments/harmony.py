@@ -10,16 +10,22 @@ body as its arguments (where the request offered tools), other commentary conten
 preamble before calls, as OpenAI's models write). The stop tokens end generation and
 never reach the text, so a call is told by its recipient, not by `<|call|>`.
 
-Text that does not open with harmony's framing (an output held to JSON by a response
-format or a forced tool choice) is content as it is. mlx-lm has no parser for this
+A response format (without tools) holds only the final channel's text, after reasoning
+left free (`answer_constraint`), as vLLM holds only what follows a model's reasoning:
+held to JSON from its first token, the model could not write its framing. Text that does
+not open with harmony's framing (an output held to JSON by a forced tool choice, or by a
+format beside tools) is content as it is. mlx-lm has no parser for this
 format; vLLM reads it with OpenAI's `openai_harmony`, which fetches its vocabulary at
 run time, so this one works on the decoded text.
 """
 
+import json
 import re
 
+from runtime.structured_output import StructuredOutputsParams
+
 from .chat_output import ChoiceParser, joined_pieces, partial_marker
-from .tools import tool_call
+from .tools import FREE, json_rule, tool_call
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -36,6 +42,22 @@ def is_harmony(tokenizer) -> bool:
     """Whether the tokenizer's vocabulary has harmony's markers, each one token."""
     vocab = tokenizer.get_vocab()
     return all(m in vocab for m in MARKERS)
+
+
+def answer_constraint(tokenizer, fmt: StructuredOutputsParams) -> StructuredOutputsParams:
+    """A response format's constraint (`fmt`: JSON, to a schema or any object) for a
+    harmony model: reasoning first if the model will, free, on the analysis channel, then
+    the answer on the final channel, held to the format."""
+    vocab = tokenizer.get_vocab()
+    channel, message, end, start = (f"<[{vocab[m]}]>" for m in ("<|channel|>", MESSAGE, "<|end|>", "<|start|>"))
+    schema = {"type": "object"} if fmt.json is None else json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json
+    return StructuredOutputsParams(grammar="\n".join([
+        "start: analysis? final",
+        f'analysis: {channel} "analysis" {message} TEXT {end} {start} "assistant"',
+        f'final: {channel} "final" {message} answer',
+        json_rule("answer", schema),
+        f"TEXT: {FREE}",
+    ]), param=fmt.param)
 
 
 class HarmonyParser(ChoiceParser):

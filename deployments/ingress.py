@@ -34,7 +34,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
-from .harmony import HarmonyParser, is_harmony
+from .harmony import HarmonyParser, answer_constraint, is_harmony
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
@@ -524,6 +524,9 @@ class OpenAIIngress:
         params = body.sampling_params(max_tokens, k)
         if self.harmony:
             params.skip_special_tokens = False   # harmony's framing is special tokens
+            if mode in (None, "none") and body.structured_outputs is None and params.structured_outputs is not None:
+                params.structured_outputs = answer_constraint(self.tokenizer, params.structured_outputs)
+                await self._validate(params.structured_outputs)
         if mode == "auto":
             params.skip_special_tokens = False   # some families' call markers are special tokens
             fmt = body.response_format if body.response_format and body.response_format.type != "text" else None

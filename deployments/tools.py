@@ -137,7 +137,7 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
         calls, defs = _call_objects(tools, [_arguments(t) for t in tools], "arguments")
         end = _marker(tokenizer, tokenizer.tool_call_end)
         rules = [f"call: head NL fn NL {end}", _until(start, "head"), "NL: /\\n?/",
-                 _json_rule("fn", {"anyOf": calls, **defs})]
+                 json_rule("fn", {"anyOf": calls, **defs})]
         plain, after = f"call{'*' if parallel else '?'} TEXT", f"NL fn NL {end}{' call*' if parallel else ''} TEXT"
     else:
         rules, plain, after = _mistral_calls(tokenizer, tools, parallel, start), "TEXT | head calls", "calls"
@@ -147,7 +147,7 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
     rules.insert(0, f"body: {body}")
     if answer is not None:   # text before the first call cannot open the answer's object:
                              # llguidance's lexer would follow the text and lose the answer
-        rules += [_until(start, "lead", NOT_AN_OBJECT), _json_rule("answer", answer, "/\\s*/ ")]
+        rules += [_until(start, "lead", NOT_AN_OBJECT), json_rule("answer", answer, "/\\s*/ ")]
     if "TEXT" in body:
         text = FREE if start.startswith("<") else f"{FREE} & ~/(?s:.*){_regex(tokenizer.tool_call_start)}(?s:.*)/"
         rules.append(f"TEXT: {text}")
@@ -165,11 +165,11 @@ def _mistral_calls(tokenizer, tools: list[dict], parallel: bool, start: str) -> 
     "arguments": ...}` objects (each may carry its `id`), as mlx-lm's parser reads either."""
     if "[ARGS]" not in (getattr(tokenizer, "chat_template", None) or ""):
         listed = _call_list(tools, [_arguments(t) for t in tools], "arguments", parallel, id={"type": "string"})
-        return [_json_rule("calls", listed, "/\\s*/ ")]
+        return [json_rule("calls", listed, "/\\s*/ ")]
     sep = _marker(tokenizer, "[ARGS]")
     rules = [f"calls: fn{f' ({start}? fn)*' if parallel else ''}",
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
-    rules += [_json_rule(f"fn{i}", _arguments(t), f"{json.dumps(t['name'])} {sep} ") for i, t in enumerate(tools)]
+    rules += [json_rule(f"fn{i}", _arguments(t), f"{json.dumps(t['name'])} {sep} ") for i, t in enumerate(tools)]
     return rules
 
 
@@ -178,7 +178,7 @@ def _arguments(tool: dict) -> dict:
     return _parameters(tool) if tool.get("strict") else {"type": "object"}
 
 
-def _json_rule(rule: str, schema: dict, lead: str = "") -> str:
+def json_rule(rule: str, schema: dict, lead: str = "") -> str:
     return f"{rule}: {lead}%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 

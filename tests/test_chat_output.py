@@ -512,3 +512,24 @@ def test_harmony_turns_split_whole_and_in_any_pieces(text, calls, reason_in, rea
         assert (got["reasoning"], got["content"], out_reason) == (reasoning, content, reason)
         assert _plain(joined_pieces(got["tool_calls"])) == expected_calls
         assert all("<|" not in v for v in (got["reasoning"], got["content"])) or content.startswith("<|")
+
+
+def test_a_harmony_models_format_holds_the_final_channel(harmony_model):
+    """A response format for a harmony model: reasoning first or not, then the answer on
+    the final channel, in the format; not the bare JSON, nor a second reasoning, nor
+    another channel's answer."""
+    from deployments.harmony import answer_constraint
+
+    tok = load_tokenizer(harmony_model)
+    held = _held_by(tok)
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER[
+        "parameters"]}}).constraint()
+    c = answer_constraint(tok, fmt)
+    answer, think = '{"city": "Oslo"}', "<|channel|>analysis<|message|>Say Oslo.<|end|><|start|>assistant"
+    assert c.param == "response_format"
+    assert held(c, "<|channel|>final<|message|>" + answer) and held(c, think + "<|channel|>final<|message|>" + answer)
+    assert not held(c, answer) and not held(c, think + think + "<|channel|>final<|message|>" + answer)
+    assert not held(c, "<|channel|>final<|message|>" + '{"city": "Rome"}')
+    assert not held(c, "<|channel|>commentary<|message|>" + answer)
+    assert held(answer_constraint(tok, ResponseFormat(type="json_object").constraint()),
+                "<|channel|>final<|message|>{}")

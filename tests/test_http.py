@@ -515,8 +515,9 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     """gpt-oss's harmony format, its markers special tokens: a turn held (by a grammar of
     marker tokens and text) to reasoning then a call comes back as `reasoning` and the
     call, whole and streamed, finish "tool_calls"; the next turn, after the call's
-    result, as reasoning and content. A forced tool choice, in chat or in the Responses
-    API, holds the text to the calls' JSON, read as calls, not as harmony."""
+    result, as reasoning and content. A response format holds only the final channel,
+    whose JSON is the content. A forced tool choice, in chat or in the Responses API,
+    holds the text to the calls' JSON, read as calls, not as harmony."""
     url = server.urls["harmony"]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     names = ("start", "channel", "message", "end", "constrain")
@@ -557,6 +558,26 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     answer = client.chat.completions.create(**{**kw, "messages": history}, extra_body=answering).choices[0]
     assert (answer.finish_reason, answer.message.reasoning, answer.message.content, answer.message.tool_calls) == (
         "stop", "Got it.", "Sunny in Oslo.", None)
+
+    # A response format holds the final channel's text, after reasoning if the model
+    # reasons (pushed here to answer at once, or to open and close its reasoning first).
+    def first(text):
+        return str(httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text,
+                                                       "add_special_tokens": False}).json()["tokens"][0])
+
+    oslo = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    for bias in ({first("final"): 100}, {first("analysis"): 100, str(ids[names.index("end")]): 100}):
+        formatted = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
+                                                   response_format=oslo, logit_bias=bias, logprobs=True).choices[0]
+        assert (formatted.finish_reason, formatted.message.content) == ("stop", '{"city": "Oslo"}'), bias
+        assert not getattr(formatted.message, "reasoning", None)
+        written = "".join(t.token for t in formatted.logprobs.content)   # the framing, then the answer
+        assert written.startswith("<|channel|>") and written.endswith('final<|message|>{"city": "Oslo"}'), written
+    streamed = list(client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
+                                                   response_format=oslo, logit_bias=bias, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == '{"city": "Oslo"}'
 
     # A forced choice holds the text to the calls' JSON, which the tool parser reads.
     forced = client.chat.completions.create(**kw, tool_choice="required").choices[0]
