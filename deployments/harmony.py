@@ -10,11 +10,12 @@ body as its arguments (where the request offered tools), other commentary conten
 preamble before calls, as OpenAI's models write). The stop tokens end generation and
 never reach the text, so a call is told by its recipient, not by `<|call|>`.
 
-A response format (without tools) holds only the final channel's text, after reasoning
-left free (`answer_constraint`), as vLLM holds only what follows a model's reasoning:
-held to JSON from its first token, the model could not write its framing. Text that does
-not open with harmony's framing (an output held to JSON by a forced tool choice, or by a
-format beside tools) is content as it is. mlx-lm has no parser for this
+A response format holds only the final channel's text, after reasoning left free
+(`answer_constraint`), as vLLM holds only what follows a model's reasoning: held to JSON
+from its first token, the model could not write its framing. Beside tools under "auto"
+(`auto_constraint`) the turn ends in a call or in the answer in the format, and a strict
+function's arguments are held to its schema. Text that does not open with harmony's
+framing (an output held to JSON by a forced tool choice) is content as it is. mlx-lm has no parser for this
 format; vLLM reads it with OpenAI's `openai_harmony`, which fetches its vocabulary at
 run time, so this one works on the decoded text.
 """
@@ -25,7 +26,7 @@ import re
 from runtime.structured_output import StructuredOutputsParams
 
 from .chat_output import ChoiceParser, joined_pieces, partial_marker
-from .tools import FREE, json_rule, tool_call
+from .tools import FREE, call_arguments, json_rule, tool_call
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -48,16 +49,43 @@ def answer_constraint(tokenizer, fmt: StructuredOutputsParams) -> StructuredOutp
     """A response format's constraint (`fmt`: JSON, to a schema or any object) for a
     harmony model: reasoning first if the model will, free, on the analysis channel, then
     the answer on the final channel, held to the format."""
-    vocab = tokenizer.get_vocab()
-    channel, message, end, start = (f"<[{vocab[m]}]>" for m in ("<|channel|>", MESSAGE, "<|end|>", "<|start|>"))
     schema = {"type": "object"} if fmt.json is None else json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json
-    return StructuredOutputsParams(grammar="\n".join([
-        "start: analysis? final",
-        f'analysis: {channel} "analysis" {message} TEXT {end} {start} "assistant"',
-        f'final: {channel} "final" {message} answer',
-        json_rule("answer", schema),
-        f"TEXT: {FREE}",
-    ]), param=fmt.param)
+    return _turn(tokenizer, schema, [], fmt.param)
+
+
+def auto_constraint(tools: list[dict], tokenizer, answer: dict | None = None,
+                    restricted: bool = False) -> StructuredOutputsParams | None:
+    """tool_choice "auto" for a harmony model where a function is strict, an answer
+    format (`answer`, an object's schema) is given or the calls are `restricted` to
+    `tools` (`allowed_tools`): the turn may reason first and write a preamble, free, then
+    either one call of one of `tools` (its arguments held to a strict function's schema,
+    any object otherwise), in either header order gpt-oss writes, or the answer on the
+    final channel, in the format or free. None otherwise: the text is free."""
+    if answer is None and not restricted and not any(t.get("strict") for t in tools):
+        return None
+    return _turn(tokenizer, answer, tools, "tools")
+
+
+def _turn(tokenizer, answer: dict | None, tools: list[dict], param: str) -> StructuredOutputsParams:
+    """The grammar of a harmony turn: an analysis message, a preamble (with calls), then
+    the final answer (`answer`: its schema; None: free text) or a call of one of `tools`."""
+    vocab = tokenizer.get_vocab()
+    ch, msg, end, start, constrain = (f"<[{vocab[m]}]>" for m in
+                                      ("<|channel|>", MESSAGE, "<|end|>", "<|start|>", "<|constrain|>"))
+    rules = [f'analysis: {ch} "analysis" {msg} TEXT {end} {start} "assistant"',
+             f'final: {ch} "final" {msg} {"answer" if answer is not None else "TEXT"}', f"TEXT: {FREE}"]
+    if answer is not None:
+        rules.append(json_rule("answer", answer))
+    if not tools:
+        return StructuredOutputsParams(grammar="\n".join(["start: analysis? final", *rules]), param=param)
+    rules += [f'preamble: {ch} "commentary" {msg} TEXT {end} {start} "assistant"',
+              "call: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        to = f"to=functions.{t['name']}"
+        head = f'({ch} "commentary {to} " {constrain} "json" | " {to}" {ch} "commentary json")'
+        rules.append(json_rule(f"fn{i}", call_arguments(t), f"{head} {msg} "))
+    return StructuredOutputsParams(grammar="\n".join(["start: analysis? (final | preamble? call)", *rules]),
+                                   param=param)
 
 
 class HarmonyParser(ChoiceParser):

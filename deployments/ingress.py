@@ -34,7 +34,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
-from .harmony import HarmonyParser, answer_constraint, is_harmony
+from .harmony import HarmonyParser, answer_constraint, auto_constraint as harmony_auto, is_harmony
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
@@ -532,8 +532,11 @@ class OpenAIIngress:
             fmt = body.response_format if body.response_format and body.response_format.type != "text" else None
             answer = fmt.object_schema() if fmt else None
             if body.structured_outputs is None and (fmt is None or answer is not None):
-                held = auto_constraint(body.callable_defs(), body.parallel_tool_calls, self.tokenizer, answer,
-                                       reasoning_state(self.tokenizer, ids), body.restricts_calls())
+                if self.harmony:
+                    held = harmony_auto(body.callable_defs(), self.tokenizer, answer, body.restricts_calls())
+                else:
+                    held = auto_constraint(body.callable_defs(), body.parallel_tool_calls, self.tokenizer, answer,
+                                           reasoning_state(self.tokenizer, ids), body.restricts_calls())
                 if held:
                     await self._validate(held)
                     params.structured_outputs = held

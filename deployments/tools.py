@@ -14,8 +14,9 @@ model wrote becomes OpenAI `tool_calls`.
   of the functions, a strict one's arguments to its schema, when a function is `strict`
   or the answer has a `response_format`: the text is free, or, with a response format,
   either one or more calls or the answer in that format (OpenAI's behaviour; a response
-  format alone would rule every call out). In other formats `strict` is not enforced
-  under "auto", as in vLLM, and a response format holds the whole output.
+  format alone would rule every call out). gpt-oss's harmony format has its own such
+  grammar (`harmony.auto_constraint`). In other formats `strict` is not enforced under
+  "auto", as in vLLM, and a response format holds the whole output.
 - `allowed_tools`: every tool is shown to the template, and calls may name only the
   listed ones: "required" as above over those; "auto" through `auto_constraint`'s
   grammar (other formats: not enforced).
@@ -134,7 +135,7 @@ def auto_constraint(tools: list[dict], parallel: bool, tokenizer, answer: dict |
         return None
     start = _marker(tokenizer, tokenizer.tool_call_start)
     if fmt == JSON_TOOLS:
-        calls, defs = _call_objects(tools, [_arguments(t) for t in tools], "arguments")
+        calls, defs = _call_objects(tools, [call_arguments(t) for t in tools], "arguments")
         end = _marker(tokenizer, tokenizer.tool_call_end)
         rules = [f"call: head NL fn NL {end}", _until(start, "head"), "NL: /\\n?/",
                  json_rule("fn", {"anyOf": calls, **defs})]
@@ -164,16 +165,16 @@ def _mistral_calls(tokenizer, tools: list[dict], parallel: bool, start: str) -> 
     after a `[TOOL_CALLS]` of its own; older ones one JSON list of `{"name": ...,
     "arguments": ...}` objects (each may carry its `id`), as mlx-lm's parser reads either."""
     if "[ARGS]" not in (getattr(tokenizer, "chat_template", None) or ""):
-        listed = _call_list(tools, [_arguments(t) for t in tools], "arguments", parallel, id={"type": "string"})
+        listed = _call_list(tools, [call_arguments(t) for t in tools], "arguments", parallel, id={"type": "string"})
         return [json_rule("calls", listed, "/\\s*/ ")]
     sep = _marker(tokenizer, "[ARGS]")
     rules = [f"calls: fn{f' ({start}? fn)*' if parallel else ''}",
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
-    rules += [json_rule(f"fn{i}", _arguments(t), f"{json.dumps(t['name'])} {sep} ") for i, t in enumerate(tools)]
+    rules += [json_rule(f"fn{i}", call_arguments(t), f"{json.dumps(t['name'])} {sep} ") for i, t in enumerate(tools)]
     return rules
 
 
-def _arguments(tool: dict) -> dict:
+def call_arguments(tool: dict) -> dict:
     """What a call's arguments are held to: a strict tool's parameters, else any object."""
     return _parameters(tool) if tool.get("strict") else {"type": "object"}
 

@@ -533,3 +533,29 @@ def test_a_harmony_models_format_holds_the_final_channel(harmony_model):
     assert not held(c, "<|channel|>commentary<|message|>" + answer)
     assert held(answer_constraint(tok, ResponseFormat(type="json_object").constraint()),
                 "<|channel|>final<|message|>{}")
+
+
+def test_harmony_auto_tools_hold_strict_calls_or_the_answer(harmony_model):
+    """Under "auto", a harmony model with a strict function (or an answer format, or
+    allowed tools) may reason and write a preamble, free, then call one of the tools,
+    in either header order, a strict one's arguments held to its schema, or answer on
+    the final channel (free, or in the format). Nothing strict or formatted: no grammar."""
+    from deployments.harmony import auto_constraint as harmony_auto
+
+    tok = load_tokenizer(harmony_model)
+    held = _held_by(tok)
+    tools = [{**WEATHER, "strict": True}, CLOCK]
+    c = harmony_auto(tools, tok)
+    think = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
+    say = "<|channel|>commentary<|message|>On it.<|end|><|start|>assistant"
+    weather = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + '{"city": "%s"}'
+    assert c.param == "tools" and held(c, think + weather % "Oslo") and held(c, say + weather % "Paris")
+    assert held(c, ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "any", "x": 1}')
+    assert held(c, think + "<|channel|>final<|message|>Sunny.") and not held(c, weather % "Rome")
+    assert not held(c, "<|channel|>commentary to=functions.get_news <|constrain|>json<|message|>{}")
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    formatted = harmony_auto([WEATHER, CLOCK], tok, answer)
+    assert held(formatted, think + '<|channel|>final<|message|>{"ok": true}') and held(formatted, weather % "Rome")
+    assert not held(formatted, "<|channel|>final<|message|>Sunny.")
+    assert harmony_auto([WEATHER, CLOCK], tok) is None and harmony_auto([WEATHER], tok, restricted=True) is not None

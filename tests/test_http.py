@@ -516,7 +516,8 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     marker tokens and text) to reasoning then a call comes back as `reasoning` and the
     call, whole and streamed, finish "tool_calls"; the next turn, after the call's
     result, as reasoning and content. A response format holds only the final channel,
-    whose JSON is the content. A forced tool choice, in chat or in the Responses API,
+    whose JSON is the content; beside a strict tool, the turn is a call held to the
+    tool's schema or the answer in the format. A forced tool choice, in chat or in the Responses API,
     holds the text to the calls' JSON, read as calls, not as harmony."""
     url = server.urls["harmony"]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -578,6 +579,19 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     streamed = list(client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
                                                    response_format=oslo, logit_bias=bias, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == '{"city": "Oslo"}'
+
+    # A strict tool beside an answer format, as agent frameworks send them under "auto":
+    # a call held to the tool's schema, or the answer in the format.
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    empty = {"type": "json_schema", "json_schema": {"name": "empty", "schema": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    agent = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=200, tools=[strict], response_format=empty)
+    answered = client.chat.completions.create(**agent, logit_bias={str(ids[names.index("channel")]): 100,
+                                                                   first("final"): 100}).choices[0]
+    assert (answered.finish_reason, answered.message.content, answered.message.tool_calls) == ("stop", "{}", None)
+    called = client.chat.completions.create(**agent, logit_bias={first(" to=functions"): 100}).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.name == "get_weather"
+    _weather_args(called.message.tool_calls[0].function.arguments)
 
     # A forced choice holds the text to the calls' JSON, which the tool parser reads.
     forced = client.chat.completions.create(**kw, tool_choice="required").choices[0]
