@@ -15,9 +15,10 @@ A response format holds only the final channel's text, after reasoning left free
 from its first token, the model could not write its framing. Beside tools under "auto"
 (`auto_constraint`) the turn ends in a call or in the answer in the format, and a strict
 function's arguments are held to its schema. Text that does not open with harmony's
-framing (an output held to JSON by a forced tool choice) is content as it is. mlx-lm has no parser for this
-format; vLLM reads it with OpenAI's `openai_harmony`, which fetches its vocabulary at
-run time, so this one works on the decoded text.
+framing (an output held to JSON by a forced tool choice) is content as it is.
+
+mlx-lm has no parser for this format; vLLM reads it with OpenAI's `openai_harmony`,
+which fetches its vocabulary at run time, so this one works on the decoded text.
 """
 
 import json
@@ -33,7 +34,7 @@ ENDS = ("<|end|>", "<|call|>", "<|return|>")
 # What the text of a harmony turn opens with: the first message's channel or recipient
 # (the prompt ends in `<|start|>assistant`), or a new message.
 OPENERS = ("<|channel|>", " to=", "<|start|>")
-MARKERS = ("<|start|>", "<|channel|>", MESSAGE, *ENDS)
+MARKERS = ("<|start|>", "<|channel|>", MESSAGE, "<|constrain|>", *ENDS)
 
 _CHANNEL = re.compile(r"<\|channel\|>\s*([\w.-]+)")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
