@@ -83,7 +83,8 @@ def _turn(tokenizer, answer: dict | None, tools: list[dict], param: str) -> Stru
               "call: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
     for i, t in enumerate(tools):
         to = f"to=functions.{t['name']}"
-        head = f'({ch} "commentary {to} " {constrain} "json" | " {to}" {ch} "commentary json")'
+        typed = f'(" "? {constrain} "json")?'   # `<|constrain|>json` may follow, or may not
+        head = f'({ch} "commentary {to}" {typed} | " {to}" {ch} "commentary" (" json" | {typed}))'
         rules.append(json_rule(f"fn{i}", call_arguments(t), f"{head} {msg} "))
     return StructuredOutputsParams(grammar="\n".join(["start: analysis? (final | preamble? call)", *rules]),
                                    param=param)

@@ -478,6 +478,9 @@ HARMONY_TURNS = [
     # The recipient before the channel; a preamble first, as commentary without one.
     ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_time<|channel|>commentary "
      "json<|message|>{\"zone\": \"UTC\"}", True, "stop", "", "Checking.", [("get_time", {"zone": "UTC"})], "tool_calls"),
+    # `<|constrain|>` right after the recipient, as OpenAI's guide writes it too.
+    ("<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{\"city\": \"Oslo\"}", True, "stop",
+     "", "", [("get_weather", {"city": "Oslo"})], "tool_calls"),
     # Without tools, a call's body is content; a built-in tool's call is reasoning.
     (_ANALYSIS + _CALL, False, "stop", "They want the weather.", "{\"city\": \"Oslo\"}", [], "stop"),
     ("<|channel|>analysis to=browser.search<|message|>{\"q\": \"oslo\"}<|end|><|start|>assistant<|channel|>final"
@@ -551,6 +554,9 @@ def test_harmony_auto_tools_hold_strict_calls_or_the_answer(harmony_model):
     weather = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + '{"city": "%s"}'
     assert c.param == "tools" and held(c, think + weather % "Oslo") and held(c, say + weather % "Paris")
     assert held(c, ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "any", "x": 1}')
+    for head in ("<|channel|>commentary to=functions.get_weather<|constrain|>json",   # OpenAI's guide's forms
+                 "<|channel|>commentary to=functions.get_weather", " to=functions.get_weather<|channel|>commentary"):
+        assert held(c, head + '<|message|>{"city": "Oslo"}'), head
     assert held(c, think + "<|channel|>final<|message|>Sunny.") and not held(c, weather % "Rome")
     assert not held(c, "<|channel|>commentary to=functions.get_news <|constrain|>json<|message|>{}")
     answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
