@@ -46,6 +46,16 @@ def is_harmony(tokenizer) -> bool:
     return all(m in vocab for m in MARKERS)
 
 
+def template_message(message: dict) -> dict:
+    """A message as gpt-oss's template takes it: beside calls it shows one analysis text,
+    the content or the reasoning, and refuses both (transformers passes the reasoning as
+    `thinking` whatever its name), so a call's preamble gives way to its reasoning, which
+    OpenAI's guide says to pass back for calls."""
+    if message.get("tool_calls") and message.get("content") and message.get("reasoning_content"):
+        return {**message, "content": ""}
+    return message
+
+
 def answer_constraint(tokenizer, fmt: StructuredOutputsParams) -> StructuredOutputsParams:
     """A response format's constraint (`fmt`: JSON, to a schema or any object) for a
     harmony model: reasoning first if the model will, free, on the analysis channel, then

@@ -34,7 +34,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
-from .harmony import HarmonyParser, answer_constraint, auto_constraint as harmony_auto, is_harmony
+from .harmony import (HarmonyParser, answer_constraint, auto_constraint as harmony_auto, is_harmony,
+                      template_message)
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
@@ -220,6 +221,8 @@ class OpenAIIngress:
         tokenizing a long conversation takes milliseconds); 400 for messages the
         template rejects."""
         plain = [m.for_template() for m in messages]
+        if self.harmony:
+            plain = [template_message(m) for m in plain]
         shown = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         make = partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown, template_kwargs)
         try:

@@ -123,18 +123,20 @@ def mistral_model(tmp_path_factory):
 
 # gpt-oss's harmony framing, cut down: messages `<|start|>ROLE<|message|>...<|end|>`, the
 # tools in a developer message, an earlier turn's reasoning, calls and their results as
-# gpt-oss's own template writes them; the prompt ends in `<|start|>assistant`.
+# gpt-oss's own template writes them (a call's reasoning is its message's content or
+# `thinking`, never both); the prompt ends in `<|start|>assistant`.
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
 HARMONY_TEMPLATE = (
     "{%- if tools %}<|start|>developer<|message|>Functions:{% for t in tools %} {{ t.function.name }}"
     "{% endfor %}<|end|>{% endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}"
-    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>"
-    "{% endif %}"
-    "{%- for tc in m.tool_calls or [] %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.content and m.thinking %}{{ raise_exception('Cannot pass both content and thinking') }}{% endif %}"
+    "{%- if m.content or m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.content or m.thinking }}"
+    "<|end|>{% endif %}"
+    "{%- for tc in m.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary"
     " json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}"
-    "{%- if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
     "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name or 'tool' }} to=assistant<|channel|>commentary"
     "<|message|>{{ m.content }}<|end|>"
     "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"

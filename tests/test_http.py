@@ -554,6 +554,13 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     shown = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": toks}).json()["prompt"]
     assert ("<|channel|>analysis<|message|>Weather asked.<|end|><|start|>assistant to=functions.get_weather"
             f"<|channel|>commentary json<|message|>{args}<|call|>") in shown   # the turn goes back as written
+    # A call with a preamble beside its reasoning, as the client got it: gpt-oss's template
+    # takes one of the two beside calls and refuses both; the reasoning goes back.
+    prefaced = [dict(history[1], content="On it."), *history[2:]]
+    toks = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": ASK + prefaced})
+    assert toks.status_code == 200, toks.text
+    shown = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": toks.json()["tokens"]}).json()["prompt"]
+    assert "<|channel|>analysis<|message|>Weather asked.<|end|><|start|>assistant to=functions.get_weather" in shown
     answering = held(m["channel"], '"analysis"', m["message"], '"Got it."', m["end"], m["start"], '"assistant"',
                      m["channel"], '"final"', m["message"], '"Sunny in Oslo."')
     answer = client.chat.completions.create(**{**kw, "messages": history}, extra_body=answering).choices[0]
