@@ -40,10 +40,12 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*([\w.-]+)")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
-def is_harmony(tokenizer) -> bool:
-    """Whether the tokenizer's vocabulary has harmony's markers, each one token."""
+def harmony_markers(tokenizer) -> dict[str, int] | None:
+    """Harmony's marker ids where the tokenizer's vocabulary has each as one token (a
+    harmony model), else None. Read once, at start-up: the vocabulary comes as one dict
+    of all of it (200k entries for gpt-oss)."""
     vocab = tokenizer.get_vocab()
-    return all(m in vocab for m in MARKERS)
+    return {m: vocab[m] for m in MARKERS} if all(m in vocab for m in MARKERS) else None
 
 
 def template_message(message: dict) -> dict:
@@ -56,17 +58,19 @@ def template_message(message: dict) -> dict:
     return message
 
 
-def answer_constraint(tokenizer, fmt: StructuredOutputsParams) -> StructuredOutputsParams:
+def answer_constraint(markers: dict[str, int], fmt: StructuredOutputsParams) -> StructuredOutputsParams:
     """A response format's constraint (`fmt`: JSON, to a schema or any object) for a
-    harmony model: reasoning first if the model will, free, on the analysis channel, then
-    the answer on the final channel, held to the format."""
-    schema = {"type": "object"} if fmt.json is None else json.loads(fmt.json) if isinstance(fmt.json, str) else fmt.json
-    return _turn(tokenizer, schema, [], fmt.param)
+    harmony model (`markers`: `harmony_markers`): reasoning first if the model will,
+    free, on the analysis channel, then the answer on the final channel, held to the
+    format."""
+    schema = fmt.json if fmt.json is not None else {"type": "object"}
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    return _turn(markers, schema, [], fmt.param)
 
 
-def auto_constraint(tools: list[dict], tokenizer, answer: dict | None = None,
+def auto_constraint(tools: list[dict], markers: dict[str, int], answer: dict | None = None,
                     restricted: bool = False) -> StructuredOutputsParams | None:
-    """tool_choice "auto" for a harmony model where a function is strict, an answer
+    """tool_choice "auto" for a harmony model (`markers`) where a function is strict, an answer
     format (`answer`, an object's schema) is given or the calls are `restricted` to
     `tools` (`allowed_tools`): the turn may reason first and write a preamble, free, then
     either one call of one of `tools` (its arguments held to a strict function's schema,
@@ -74,14 +78,14 @@ def auto_constraint(tools: list[dict], tokenizer, answer: dict | None = None,
     final channel, in the format or free. None otherwise: the text is free."""
     if answer is None and not restricted and not any(t.get("strict") for t in tools):
         return None
-    return _turn(tokenizer, answer, tools, "tools")
+    return _turn(markers, answer, tools, "tools")
 
 
-def _turn(tokenizer, answer: dict | None, tools: list[dict], param: str) -> StructuredOutputsParams:
+def _turn(markers: dict[str, int], answer: dict | None, tools: list[dict],
+          param: str) -> StructuredOutputsParams:
     """The grammar of a harmony turn: an analysis message, a preamble (with calls), then
     the final answer (`answer`: its schema; None: free text) or a call of one of `tools`."""
-    vocab = tokenizer.get_vocab()
-    ch, msg, end, start, constrain = (f"<[{vocab[m]}]>" for m in
+    ch, msg, end, start, constrain = (f"<[{markers[m]}]>" for m in
                                       ("<|channel|>", MESSAGE, "<|end|>", "<|start|>", "<|constrain|>"))
     rules = [f'analysis: {ch} "analysis" {msg} TEXT {end} {start} "assistant"',
              f'final: {ch} "final" {msg} {"answer" if answer is not None else "TEXT"}', f"TEXT: {FREE}"]

@@ -34,7 +34,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
-from .harmony import (HarmonyParser, answer_constraint, auto_constraint as harmony_auto, is_harmony,
+from .harmony import (HarmonyParser, answer_constraint, auto_constraint as harmony_auto, harmony_markers,
                       template_message)
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
@@ -127,9 +127,7 @@ class OpenAIIngress:
         # The first encode resets any truncation or padding a tokenizer file sets (a
         # write to the shared tokenizer): done here, before threads share it.
         self.tokenizer.encode("warm-up")
-        self.harmony = is_harmony(self.tokenizer)
-        # Where a harmony turn's reasoning ends, for its usage: its first message's end.
-        self._harmony_end = self.tokenizer.get_vocab()["<|end|>"] if self.harmony else None
+        self.harmony = harmony_markers(self.tokenizer)   # their ids; None for other models
         self._tokenize_pool = ThreadPoolExecutor(min(TOKENIZE_THREADS, os.cpu_count() or 1),
                                                  thread_name_prefix="tokenize")
         self.metrics = Metrics(self.model_name)
@@ -528,7 +526,7 @@ class OpenAIIngress:
         if self.harmony:
             params.skip_special_tokens = False   # harmony's framing is special tokens
             if mode in (None, "none") and body.structured_outputs is None and params.structured_outputs is not None:
-                params.structured_outputs = answer_constraint(self.tokenizer, params.structured_outputs)
+                params.structured_outputs = answer_constraint(self.harmony, params.structured_outputs)
                 await self._validate(params.structured_outputs)
         if mode == "auto":
             params.skip_special_tokens = False   # some families' call markers are special tokens
@@ -536,7 +534,7 @@ class OpenAIIngress:
             answer = fmt.object_schema() if fmt else None
             if body.structured_outputs is None and (fmt is None or answer is not None):
                 if self.harmony:
-                    held = harmony_auto(body.callable_defs(), self.tokenizer, answer, body.restricts_calls())
+                    held = harmony_auto(body.callable_defs(), self.harmony, answer, body.restricts_calls())
                 else:
                     held = auto_constraint(body.callable_defs(), body.parallel_tool_calls, self.tokenizer, answer,
                                            reasoning_state(self.tokenizer, ids), body.restricts_calls())
@@ -677,7 +675,8 @@ class OpenAIIngress:
         ids, parser, t_sub, first, gen = await self._start_chat(chat, api_key, chat.logprobs_k(), ids)
         parser = parser or ChoiceParser
         envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
-        end = markers[1] if markers else self._harmony_end
+        # Where the reasoning ends, for its usage; a harmony turn's: its first message's end.
+        end = markers[1] if markers else self.harmony["<|end|>"] if self.harmony else None
         text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
         keep = partial(self._keep, body, owner, own)
         if body.stream:

@@ -521,20 +521,20 @@ def test_a_harmony_models_format_holds_the_final_channel(harmony_model):
     """A response format for a harmony model: reasoning first or not, then the answer on
     the final channel, in the format; not the bare JSON, nor a second reasoning, nor
     another channel's answer."""
-    from deployments.harmony import answer_constraint
+    from deployments.harmony import answer_constraint, harmony_markers
 
     tok = load_tokenizer(harmony_model)
-    held = _held_by(tok)
+    held, markers = _held_by(tok), harmony_markers(tok)
     fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER[
         "parameters"]}}).constraint()
-    c = answer_constraint(tok, fmt)
+    c = answer_constraint(markers, fmt)
     answer, think = '{"city": "Oslo"}', "<|channel|>analysis<|message|>Say Oslo.<|end|><|start|>assistant"
     assert c.param == "response_format"
     assert held(c, "<|channel|>final<|message|>" + answer) and held(c, think + "<|channel|>final<|message|>" + answer)
     assert not held(c, answer) and not held(c, think + think + "<|channel|>final<|message|>" + answer)
     assert not held(c, "<|channel|>final<|message|>" + '{"city": "Rome"}')
     assert not held(c, "<|channel|>commentary<|message|>" + answer)
-    assert held(answer_constraint(tok, ResponseFormat(type="json_object").constraint()),
+    assert held(answer_constraint(markers, ResponseFormat(type="json_object").constraint()),
                 "<|channel|>final<|message|>{}")
 
 
@@ -543,12 +543,12 @@ def test_harmony_auto_tools_hold_strict_calls_or_the_answer(harmony_model):
     allowed tools) may reason and write a preamble, free, then call one of the tools,
     in either header order, a strict one's arguments held to its schema, or answer on
     the final channel (free, or in the format). Nothing strict or formatted: no grammar."""
-    from deployments.harmony import auto_constraint as harmony_auto
+    from deployments.harmony import auto_constraint as harmony_auto, harmony_markers
 
     tok = load_tokenizer(harmony_model)
-    held = _held_by(tok)
+    held, markers = _held_by(tok), harmony_markers(tok)
     tools = [{**WEATHER, "strict": True}, CLOCK]
-    c = harmony_auto(tools, tok)
+    c = harmony_auto(tools, markers)
     think = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
     say = "<|channel|>commentary<|message|>On it.<|end|><|start|>assistant"
     weather = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + '{"city": "%s"}'
@@ -561,7 +561,8 @@ def test_harmony_auto_tools_hold_strict_calls_or_the_answer(harmony_model):
     assert not held(c, "<|channel|>commentary to=functions.get_news <|constrain|>json<|message|>{}")
     answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    formatted = harmony_auto([WEATHER, CLOCK], tok, answer)
+    formatted = harmony_auto([WEATHER, CLOCK], markers, answer)
     assert held(formatted, think + '<|channel|>final<|message|>{"ok": true}') and held(formatted, weather % "Rome")
     assert not held(formatted, "<|channel|>final<|message|>Sunny.")
-    assert harmony_auto([WEATHER, CLOCK], tok) is None and harmony_auto([WEATHER], tok, restricted=True) is not None
+    assert harmony_auto([WEATHER, CLOCK], markers) is None
+    assert harmony_auto([WEATHER], markers, restricted=True) is not None

@@ -554,7 +554,7 @@ def test_logprobs_of_a_model_with_multi_token_think_markers_are_refused(tmp_path
     model = make_model(tmp_path / "m", hidden=32, layers=1, heads=2, kv_heads=1, vocab_size=320,
                        added_tokens=("<|channel>", "<channel|>"))
     ingress = OpenAIIngress.__new__(OpenAIIngress)   # only its tokenizer is read
-    ingress.tokenizer, ingress.harmony = load_tokenizer(str(model)), False
+    ingress.tokenizer, ingress.harmony = load_tokenizer(str(model)), None
     assert ingress.tokenizer.has_thinking and len(ingress.tokenizer.think_start_tokens) > 1
     with pytest.raises(HTTPError) as e:
         ingress._text_logprobs_markers(_request(include=["message.output_text.logprobs"]))
