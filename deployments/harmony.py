@@ -26,7 +26,7 @@ import re
 
 from runtime.structured_output import StructuredOutputsParams
 
-from .chat_output import ChoiceParser, joined_pieces, partial_marker
+from .chat_output import ChoiceParser, partial_marker
 from .tools import FREE, call_arguments, json_rule, tool_call
 
 MESSAGE = "<|message|>"
@@ -152,17 +152,13 @@ class HarmonyParser(ChoiceParser):
         return [(kind, v) for kind, v in out if v], finish_reason
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        parts, finish_reason = self.parts(text, finish_reason or "stop")
-        message = {"role": "assistant"}
-        reasoning = "".join(v for kind, v in parts if kind == "reasoning")
-        if reasoning:
-            message["reasoning"] = reasoning
-        content = "".join(v for kind, v in parts if kind == "content")
-        calls = joined_pieces([c for kind, v in parts if kind == "tool_calls" for c in v])
+        """The whole message: what streaming the text in one piece joins up (`feed`)."""
+        out, finish_reason = self.feed(text, finish_reason or "stop")
+        message = {"role": "assistant", **({"reasoning": out["reasoning"]} if "reasoning" in out else {})}
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in out.get("tool_calls", [])]
         if not calls:
-            return {**message, "content": content}, finish_reason
-        return {**message, "content": content or None,
-                "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}, finish_reason
+            return {**message, "content": out.get("content", "")}, finish_reason
+        return {**message, "content": out.get("content") or None, "tool_calls": calls}, finish_reason
 
     def _open(self, header: str) -> list[tuple[str, object]]:
         """A message's header read: where its body goes; a call's opening piece."""
