@@ -6,8 +6,8 @@ spec: sliding and full layers, sinks, 4 experts, 2 a token) on the default devic
 several times against the CPU stream, three ways: as one graph (as mlx-lm and this
 engine run it), evaluated after each layer, and with the experts' token sort taken out
 (mlx-lm's `SwitchGLU` sorts the tokens by expert from 64 indices on, 32 tokens here).
-On MLX's CUDA backend (0.32.4) the one graph at 40 tokens read up to 1.5 off the CPU,
-and differently run to run, while the other two ways and 57 tokens read 3e-6.
+On MLX's CUDA backend (0.32.4, an H100) the one graph at 40 tokens read up to 1.8 off
+the CPU, and differently run to run, while the other two ways and 57 tokens read 3e-6.
 
     python bench/moe_determinism.py --lengths 40 57 --runs 4
 """
@@ -61,7 +61,8 @@ def main(argv=None):
         model, _ = load(str(make_model(Path(tmp) / "gpt-oss", **MODEL_SPECS["gpt-oss"])))
     rng, rows = random.Random(5), []
     sorted_call = switch_layers.SwitchGLU.__call__
-    ways = (("one graph", model, sorted_call), ("eval after each layer", lambda ids: _per_layer(model, ids), sorted_call),
+    ways = (("one graph", model, sorted_call),
+            ("eval after each layer", lambda ids: _per_layer(model, ids), sorted_call),
             ("experts unsorted", model, _unsorted))
     for n in args.lengths:
         ids = mx.array([[rng.randrange(3, 380) for _ in range(n)]])
@@ -77,8 +78,8 @@ def main(argv=None):
             rows.append({"tokens": n, "way": way, "max_abs_logit_off_cpu": off})
             print(f"{n:>6} tokens | {way:<22} | off the CPU, each run: " + " ".join(f"{d:.1e}" for d in off))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
-                                                        "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__, "rows": rows},
+                                         indent=2))
 
 
 if __name__ == "__main__":

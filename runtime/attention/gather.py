@@ -76,8 +76,8 @@ def attend_group(q: mx.array, k_pool: mx.array, v_pool: mx.array, g: GroupMetada
     # A windowed layer with sinks (gpt-oss's) takes the matmul way too. It was sent there
     # on a suspicion of MLX's fused attention with sinks on CUDA, where a gpt-oss-shaped
     # model's logprobs read 0.13-0.45 off mlx-lm's (H100); that did not close the gap,
-    # and a standalone check later found the fused attention exact, so the cause lies
-    # elsewhere (bench/results/README.md). The way is kept for its speed: a window's
+    # a standalone check found the fused attention exact, and the cause was MLX's CUDA
+    # mixture of experts (bench/moe_determinism.py). The way is kept for its speed: a window's
     # decode read in 0.12 ms at 8,192 tokens x 128 sequences, against 0.43 ms fused
     # without sinks (H200, `bench/sliding_window.py`).
     grouped = (g.unfused and sinks is None) or (window is not None and sinks is not None)
