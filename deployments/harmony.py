@@ -12,7 +12,8 @@ never reach the text, so a call is told by its recipient, not by `<|call|>`.
 
 A response format holds only the final channel's text, after reasoning left free
 (`answer_constraint`), as vLLM holds only what follows a model's reasoning: held to JSON
-from its first token, the model could not write its framing. Beside tools under "auto"
+from its first token, the model could not write its framing. A JSON schema is also shown
+to the model in its developer message (`show_format`), which the grammar does not do. Beside tools under "auto"
 (`auto_constraint`) the turn ends in a call or in the answer in the format, and a strict
 function's arguments are held to its schema. Text that does not open with harmony's
 framing (an output held to JSON by a forced tool choice) is content as it is.
@@ -56,6 +57,22 @@ def template_message(message: dict) -> dict:
     if message.get("tool_calls") and message.get("content") and message.get("reasoning_content"):
         return {**message, "content": ""}
     return message
+
+
+def show_format(messages: list[dict], name: str, schema: dict | None, description: str | None = None) -> list[dict]:
+    """Messages that show the model a response format (`name`, `schema`, `description`),
+    as OpenAI's harmony guide asks: a `# Response Formats` section in the developer message,
+    which the grammar alone (`answer_constraint`) does not tell the model. gpt-oss's
+    template makes the first system or developer message's content that message's
+    instructions, so the section ends that content (before the template's `# Tools`),
+    or stands alone in a system message put first."""
+    section = f"# Response Formats\n\n## {name}\n\n" + (f"// {description}\n" if description else "") \
+        + json.dumps(schema if schema is not None else {"type": "object"}, separators=(",", ":"))
+    if messages and messages[0]["role"] in ("system", "developer"):
+        head = messages[0]
+        return [{**head, "content": f"{head['content']}\n\n{section}" if head["content"] else section},
+                *messages[1:]]
+    return [{"role": "system", "content": section}, *messages]
 
 
 def answer_constraint(markers: dict[str, int], fmt: StructuredOutputsParams) -> StructuredOutputsParams:

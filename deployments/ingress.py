@@ -30,12 +30,12 @@ from runtime.structured_output import grammar_checked, reasoning_state, think_ma
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
 from .llm_server import set_switch_interval
 from .metrics import Metrics, RequestTimer
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       chat_prompt_ids, error_body)
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponseFormat,
+                       TokenizeRequest, chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
 from .harmony import (HarmonyParser, answer_constraint, auto_constraint as harmony_auto, harmony_markers,
-                      template_message)
+                      show_format, template_message)
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
@@ -214,13 +214,17 @@ class OpenAIIngress:
                                     len(text))
 
     async def _chat_ids(self, messages: list, add_generation_prompt: bool, tools: list | None = None,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None, fmt: ResponseFormat | None = None) -> list[int]:
         """The chat template's token ids for `ChatMessage`s and `Tool`s (templating and
         tokenizing a long conversation takes milliseconds); 400 for messages the
-        template rejects."""
+        template rejects. A harmony model is shown a JSON schema `fmt` in its developer
+        message."""
         plain = [m.for_template() for m in messages]
         if self.harmony:
             plain = [template_message(m) for m in plain]
+            if fmt is not None and fmt.type == "json_schema":
+                f = fmt.json_schema
+                plain = show_format(plain, f.name, f.schema_, f.description)
         shown = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         make = partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown, template_kwargs)
         try:
@@ -520,7 +524,7 @@ class OpenAIIngress:
                                  "function, which hold the output to the tools' JSON", param="tool_choice")
         if ids is None:
             ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                       body.template_kwargs())
+                                       body.template_kwargs(), body.response_format)
         max_tokens = await self._check_prompt(ids, body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(max_tokens, k)
         if self.harmony:
@@ -633,7 +637,8 @@ class OpenAIIngress:
         """The request's prompt token ids if the prompt and its output fit the model's
         context, else None."""
         chat = self._chat_of(body)
-        ids = await self._chat_ids(chat.messages, chat.add_generation_prompt, chat.tools, chat.template_kwargs())
+        ids = await self._chat_ids(chat.messages, chat.add_generation_prompt, chat.tools, chat.template_kwargs(),
+                                   chat.response_format)
         try:
             await self._check_prompt(ids, chat.max_completion_tokens)
         except HTTPError as e:

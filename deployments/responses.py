@@ -266,7 +266,8 @@ class ResponsesRequest(Bookkeeping):
             body["response_format"] = {"type": "json_object"}
         elif fmt is not None and fmt.type == "json_schema":
             body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+                "name": fmt.name or "response", "description": fmt.description, "schema": fmt.schema_,
+                "strict": fmt.strict}}
         if self.user is not None:
             body["user"] = self.user
         if self.reasoning is not None and self.reasoning.effort is not None:

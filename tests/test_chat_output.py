@@ -538,6 +538,27 @@ def test_a_harmony_models_format_holds_the_final_channel(harmony_model):
                 "<|channel|>final<|message|>{}")
 
 
+def test_a_harmony_model_is_shown_its_response_format():
+    """A response format's schema goes into the developer message as OpenAI's harmony
+    guide writes it (`# Response Formats`, the format's name, its description, the schema
+    as compact JSON): after the instructions of a system or developer message put
+    first, or in a system message of its own; the other messages as they were."""
+    from deployments.harmony import show_format
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    section = '# Response Formats\n\n## city\n\n// A city.\n{"type":"object","properties":{"city":{"type":"string"}}}'
+    user = {"role": "user", "content": "Where?"}
+    assert show_format([user], "city", schema, "A city.") == [{"role": "system", "content": section}, user]
+    for role in ("system", "developer"):
+        head = {"role": role, "content": "Be brief.", "name": "ops"}
+        assert show_format([head, user], "city", schema, "A city.") == [
+            {**head, "content": "Be brief.\n\n" + section}, user]
+        assert show_format([{**head, "content": ""}, user], "city", schema, "A city.")[0]["content"] == section
+    later = [user, {"role": "system", "content": "Late."}]
+    assert show_format(later, "c", None) == [
+        {"role": "system", "content": '# Response Formats\n\n## c\n\n{"type":"object"}'}, *later]
+
+
 def test_harmony_auto_tools_hold_strict_calls_or_the_answer(harmony_model):
     """Under "auto", a harmony model with a strict function (or an answer format, or
     allowed tools) may reason and write a preamble, free, then call one of the tools,

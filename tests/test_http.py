@@ -577,12 +577,25 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
         "type": "object", "properties": {"city": {"enum": ["Oslo"]}}, "required": ["city"],
         "additionalProperties": False}}}
     for bias in ({first("final"): 100}, {first("analysis"): 100, str(ids[names.index("end")]): 100}):
-        formatted = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
-                                                   response_format=oslo, logit_bias=bias, logprobs=True).choices[0]
+        completion = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
+                                                    response_format=oslo, logit_bias=bias, logprobs=True)
+        formatted = completion.choices[0]
         assert (formatted.finish_reason, formatted.message.content) == ("stop", '{"city": "Oslo"}'), bias
         assert not getattr(formatted.message, "reasoning", None)
         written = "".join(t.token for t in formatted.logprobs.content)   # the framing, then the answer
         assert written.startswith("<|channel|>") and written.endswith('final<|message|>{"city": "Oslo"}'), written
+    # The model is shown the format in its developer message, as OpenAI's harmony guide
+    # writes it; in the Responses API after the instructions.
+    def count(messages):
+        return httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
+
+    section = "# Response Formats\n\n## city\n\n" + json.dumps(oslo["json_schema"]["schema"], separators=(",", ":"))
+    assert completion.usage.prompt_tokens == count([{"role": "system", "content": section}, *ASK])
+    r = client.responses.create(model=MODEL, input=ASK, instructions="Be brief.", temperature=0, max_output_tokens=8,
+                                text={"format": {"type": "json_schema", "name": "city", "description": "A city.",
+                                                 "schema": oslo["json_schema"]["schema"]}})
+    assert r.usage.input_tokens == count([{"role": "system", "content": "Be brief.\n\n" + section.replace(
+        "## city\n\n", "## city\n\n// A city.\n")}, *ASK])
     streamed = list(client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=200,
                                                    response_format=oslo, logit_bias=bias, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == '{"city": "Oslo"}'

@@ -51,12 +51,13 @@ def test_items_become_the_chat_conversation():
 
 def test_tools_choice_and_format_become_the_chat_fields():
     body = _request(tools=[{"type": "function", **TOOL}], tool_choice={"type": "function", "name": "get_weather"},
-                    text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": True}},
+                    text={"format": {"type": "json_schema", "name": "w", "description": "A w.",
+                                     "schema": {"type": "object"}, "strict": True}},
                     max_output_tokens=9, parallel_tool_calls=False).chat_body()
     assert body["tools"] == [{"type": "function", "function": TOOL}]
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["response_format"] == {"type": "json_schema", "json_schema": {
-        "name": "w", "schema": {"type": "object"}, "strict": True}}
+        "name": "w", "description": "A w.", "schema": {"type": "object"}, "strict": True}}
     assert body["max_completion_tokens"] == 9 and body["parallel_tool_calls"] is False
     assert _request(text={"format": {"type": "json_object"}}).chat_body()["response_format"] == {"type": "json_object"}
     assert "response_format" not in _request(text={"format": {"type": "text"}}).chat_body()
