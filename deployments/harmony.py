@@ -17,6 +17,7 @@ to the model in its developer message (`show_format`), which the grammar does no
 (`auto_constraint`) the turn ends in a call or in the answer in the format, and a strict
 function's arguments are held to its schema. Text that does not open with harmony's
 framing (an output held to JSON by a forced tool choice) is content as it is.
+`HarmonyTextLogprobs` tells the same content's tokens, for Responses' output_text logprobs.
 
 mlx-lm has no parser for this format; vLLM reads it with OpenAI's `openai_harmony`,
 which fetches its vocabulary at run time, so this one works on the decoded text.
@@ -28,6 +29,7 @@ import re
 from runtime.structured_output import StructuredOutputsParams
 
 from .chat_output import ChoiceParser, partial_marker
+from .responses import TextLogprobs
 from .tools import FREE, call_arguments, json_rule, tool_call
 
 MESSAGE = "<|message|>"
@@ -121,6 +123,19 @@ def _turn(markers: dict[str, int], answer: dict | None, tools: list[dict],
                                    param=param)
 
 
+def route(header: str, calls: bool) -> str:
+    """Where the body of a message with `header` goes: "call" (addressed to
+    `functions.*`, where `calls` are read), "reasoning" (the analysis channel, or a
+    built-in tool's call, `browser.*` or `python`: the model's own work) or "content"."""
+    channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+    to = recipient.group(1) if recipient else None
+    if to and to.startswith("functions.") and calls:
+        return "call"
+    if (channel and channel.group(1) == "analysis") or (to and not to.startswith("functions.")):
+        return "reasoning"
+    return "content"
+
+
 class HarmonyParser(ChoiceParser):
     """One choice's harmony text, whole or as it streams, as reasoning, content and tool
     calls in the order written. `calls`: whether messages to `functions.*` are tool calls
@@ -179,15 +194,11 @@ class HarmonyParser(ChoiceParser):
 
     def _open(self, header: str) -> list[tuple[str, object]]:
         """A message's header read: where its body goes; a call's opening piece."""
-        channel = _CHANNEL.search(header)
-        recipient = _RECIPIENT.search(header)
-        to = recipient.group(1) if recipient else None
-        if to and to.startswith("functions.") and self.parse_calls:
+        self.route = route(header, self.parse_calls)
+        if self.route == "call":
             self.route, self.calls = self.calls, self.calls + 1
-            return [("tool_calls", [tool_call(to[len("functions."):], "", self.route)])]
-        # A built-in tool's call (`browser.*`, `python`) is the model's own work.
-        self.route = "reasoning" if (channel and channel.group(1) == "analysis") or (
-            to and not to.startswith("functions.")) else "content"
+            name = _RECIPIENT.search(header).group(1).removeprefix("functions.")
+            return [("tool_calls", [tool_call(name, "", self.route)])]
         return []
 
     def _body(self, text: str) -> list[tuple[str, object]]:
@@ -196,3 +207,52 @@ class HarmonyParser(ChoiceParser):
         if isinstance(self.route, int):
             return [("tool_calls", [{"index": self.route, "function": {"arguments": text}}])]
         return [(self.route, text)]
+
+
+class HarmonyTextLogprobs(TextLogprobs):
+    """Which tokens of a harmony turn wrote its output text, for Responses' `output_text`
+    logprobs: the bodies of the messages `HarmonyParser` makes content (`route`), or every
+    token of a text without harmony's framing, as the parser reads it. The markers are
+    single tokens, so the framing is told token by token and none of it is text."""
+
+    def __init__(self, markers: dict[str, int], calls: bool = False):
+        super().__init__(None, "")
+        self.marker = {i: m for m, i in markers.items()}
+        self.calls = calls
+        self.mode = "open"      # "open" (framing not yet told: `held`), "header", "body", "plain"
+        self.held: list[tuple[int, str, dict]] = []
+        self.header, self.body = "", "content"
+
+    def add(self, tokens: list[tuple[int, str, dict]]) -> None:
+        for token in tokens:
+            if self.mode == "open":
+                self.held.append(token)
+                text = "".join(piece for _, piece, _ in self.held)
+                if not any(o.startswith(text) for o in OPENERS):
+                    self._tell(text)
+                continue
+            self._read(token)
+
+    def release(self, content: str) -> list[dict]:
+        if content and self.mode == "open":   # the parser told it at the end: no framing
+            self._tell("".join(piece for _, piece, _ in self.held))
+        return super().release(content)
+
+    def _tell(self, text: str) -> None:
+        self.mode = "header" if text.startswith(OPENERS) else "plain"
+        held, self.held = self.held, []
+        for token in held:
+            self._read(token)
+
+    def _read(self, token: tuple[int, str, dict]) -> None:
+        t, piece, entry = token
+        marker = self.marker.get(t)
+        if self.mode == "plain" or (self.mode == "body" and marker is None and self.body == "content"):
+            self.pending.append((len(piece), entry))
+        elif self.mode == "header":
+            if marker == MESSAGE:
+                self.mode, self.body, self.header = "body", route(self.header, self.calls), ""
+            else:
+                self.header += piece
+        elif marker in ENDS:
+            self.mode = "header"

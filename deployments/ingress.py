@@ -34,8 +34,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        TokenizeRequest, chat_prompt_ids, error_body)
 from . import conversations, stored_chat
 from .chat_output import ChoiceParser
-from .harmony import (HarmonyParser, answer_constraint, auto_constraint as harmony_auto, harmony_markers,
-                      show_format, template_message)
+from .harmony import (HarmonyParser, HarmonyTextLogprobs, answer_constraint, auto_constraint as harmony_auto,
+                      harmony_markers, show_format, template_message)
 from .http_error import HTTPError, items_page
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
@@ -682,7 +682,11 @@ class OpenAIIngress:
         envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
         # Where the reasoning ends, for its usage; a harmony turn's: its first message's end.
         end = markers[1] if markers else self.harmony["<|end|>"] if self.harmony else None
-        text_lps = TextLogprobs(markers, reasoning_state(self.tokenizer, ids)) if body.wants_logprobs else None
+        text_lps = None
+        if body.wants_logprobs:
+            mode = chat.tool_mode()
+            text_lps = HarmonyTextLogprobs(self.harmony, mode == "auto") if self._reads_harmony(mode) else \
+                TextLogprobs(markers, reasoning_state(self.tokenizer, ids))
         keep = partial(self._keep, body, owner, own)
         if body.stream:
             return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps, keep),
@@ -743,13 +747,10 @@ class OpenAIIngress:
 
     def _text_logprobs_markers(self, body: ResponsesRequest) -> tuple[int, int] | None:
         """The model's think marker ids (`think_markers`). A 400 where output_text logprobs
-        are asked of a thinking model whose markers span several tokens, or of a harmony
-        model: its answer's tokens cannot be told from its reasoning's."""
+        are asked of a thinking model whose markers span several tokens: its answer's
+        tokens cannot be told from its reasoning's."""
         markers = think_markers(self.tokenizer)
-        if body.wants_logprobs and self.harmony:
-            raise HTTPError(400, "this model writes harmony turns, whose answer's tokens are not told from its "
-                                 "reasoning's here: output_text logprobs are not available", param="include")
-        if body.wants_logprobs and self.tokenizer.has_thinking and markers is None:
+        if body.wants_logprobs and not self.harmony and self.tokenizer.has_thinking and markers is None:
             raise HTTPError(400, "this model's think markers are not single tokens, so its answer's tokens "
                                  "cannot be told from its reasoning's: output_text logprobs are not available",
                             param="include")
@@ -789,11 +790,16 @@ class OpenAIIngress:
         entries = self._chat_logprobs(lps)["content"] if lps else []
         return [(t, self._piece(t), e) for t, e in zip(token_ids, entries)]
 
+    def _reads_harmony(self, mode: str | None) -> bool:
+        """Whether a choice is read as harmony: a harmony model's, unless a forced tool
+        choice holds its text to the calls' JSON."""
+        return self.harmony is not None and mode in (None, "auto", "none")
+
     def _choice_parser(self, ids: list[int], body, mode: str | None):
         """What makes a `ChoiceParser` per choice, where reasoning or tool calls are split
         out of the text; None where the text is the content as it is. A harmony model's
         text is read by its own parser, except where a forced choice holds it to calls."""
-        if self.harmony and mode in (None, "auto", "none"):
+        if self._reads_harmony(mode):
             return partial(HarmonyParser, mode == "auto")
         split = None
         if self.tokenizer.has_thinking:

@@ -488,7 +488,14 @@ HARMONY_TURNS = [
     # Cut by the token limit inside the reasoning, or inside a header.
     ("<|channel|>analysis<|message|>Thinking abo", True, "length", "Thinking abo", "", [], "length"),
     (_ANALYSIS + "<|start|>assistant<|chan", True, "length", "They want the weather.", "", [], "length"),
-    # Not harmony's framing (held to JSON by a response format): content as it is.
+    # A turn that opens with its recipient, read as a call or, without tools, as content.
+    (" to=functions.get_time<|channel|>commentary json<|message|>{\"zone\": \"UTC\"}", True, "stop", "", "",
+     [("get_time", {"zone": "UTC"})], "tool_calls"),
+    (" to=functions.get_time<|channel|>commentary json<|message|>{\"zone\": \"UTC\"}", False, "stop", "",
+     "{\"zone\": \"UTC\"}", [], "stop"),
+    # Not harmony's framing (held to JSON by a response format): content as it is, also
+    # where the text ends before it can be told from a recipient.
+    (" to", True, "length", "", " to", [], "length"),
     ("{\"city\": \"Oslo\"}", True, "stop", "", "{\"city\": \"Oslo\"}", [], "stop"),
     ("<|x", True, "stop", "", "<|x", [], "stop"),
 ]
@@ -515,6 +522,33 @@ def test_harmony_turns_split_whole_and_in_any_pieces(text, calls, reason_in, rea
         assert (got["reasoning"], got["content"], out_reason) == (reasoning, content, reason)
         assert _plain(joined_pieces(got["tool_calls"])) == expected_calls
         assert all("<|" not in v for v in (got["reasoning"], got["content"])) or content.startswith("<|")
+
+
+@pytest.mark.parametrize("text, calls, reason_in, reasoning, content, expected_calls, reason", HARMONY_TURNS)
+def test_harmony_output_text_logprobs_are_the_contents_tokens(harmony_model, text, calls, reason_in, reasoning,
+                                                               content, expected_calls, reason):
+    """Responses' `output_text` logprobs of a harmony turn: the entries of the tokens
+    that wrote the content the parser reads, none of the framing's, the reasoning's or
+    a call's, handed out with the content they wrote, however the tokens arrive."""
+    from deployments.harmony import HarmonyParser, HarmonyTextLogprobs, harmony_markers
+
+    tok = load_tokenizer(harmony_model)
+    tokens = [(t, tok.decode([t]), {"token": tok.decode([t]), "i": i})
+              for i, t in enumerate(tok.encode(text, add_special_tokens=False))]
+    assert "".join(piece for _, piece, _ in tokens) == text
+    for seed in range(10):
+        rng, parser, lps = random.Random(seed), HarmonyParser(calls), HarmonyTextLogprobs(harmony_markers(tok), calls)
+        got, i = [], 0
+        while i < len(tokens):
+            n = rng.randint(1, 4)
+            lps.add(tokens[i:i + n])
+            delta, _ = parser.feed("".join(piece for _, piece, _ in tokens[i:i + n]),
+                                   reason_in if i + n >= len(tokens) else None)
+            got += lps.release(delta.get("content", ""))
+            i += n
+        got += lps.rest(bool(expected_calls))
+        assert "".join(e["token"] for e in got) == content, seed
+        assert [e["i"] for e in got] == sorted(e["i"] for e in got)
 
 
 def test_a_harmony_models_format_holds_the_final_channel(harmony_model):

@@ -517,8 +517,10 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     call, whole and streamed, finish "tool_calls"; the next turn, after the call's
     result, as reasoning and content. A response format holds only the final channel,
     whose JSON is the content; beside a strict tool, the turn is a call held to the
-    tool's schema or the answer in the format. A forced tool choice, in chat or in the Responses API,
-    holds the text to the calls' JSON, read as calls, not as harmony."""
+    tool's schema or the answer in the format, and the format is shown to the model in
+    its developer message. Responses' output_text logprobs are the answer's tokens alone.
+    A forced tool choice, in chat or in the Responses API, holds the text to the calls'
+    JSON, read as calls, not as harmony."""
     url = server.urls["harmony"]
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     names = ("start", "channel", "message", "end", "constrain")
@@ -623,9 +625,16 @@ def test_harmony_turns_come_back_as_reasoning_content_and_calls(server):
     (item,) = r.output
     assert item.type == "function_call" and item.name == "get_weather"
     _weather_args(item.arguments)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=MODEL, input="Hi", include=["message.output_text.logprobs"])
-    assert e.value.body["param"] == "include" and "harmony" in e.value.body["message"]
+    # Responses' output_text logprobs are the answer's tokens alone, none of the framing's.
+    kw = dict(model=MODEL, input="Which city?", temperature=0, max_output_tokens=200, top_logprobs=2,
+              include=["message.output_text.logprobs"], text={"format": {
+                  "type": "json_schema", "name": "city", "schema": oslo["json_schema"]["schema"]}})
+    r = client.responses.create(**kw)
+    (text,) = [part for item in r.output if item.type == "message" for part in item.content]
+    assert text.text == '{"city": "Oslo"}' and "".join(lp.token for lp in text.logprobs) == text.text
+    deltas = [e for e in client.responses.create(**kw, stream=True) if e.type == "response.output_text.delta"]
+    assert all("".join(lp.token for lp in e.logprobs) == e.delta for e in deltas)
+    assert "".join(e.delta for e in deltas) == text.text
 
 
 def test_an_agent_frameworks_turn_is_served(server):
