@@ -13,11 +13,12 @@ never reach the text, so a call is told by its recipient, not by `<|call|>`.
 A response format holds only the final channel's text, after reasoning left free
 (`answer_constraint`), as vLLM holds only what follows a model's reasoning: held to JSON
 from its first token, the model could not write its framing. A JSON schema is also shown
-to the model in its developer message (`show_format`), which the grammar does not do. Beside tools under "auto"
-(`auto_constraint`) the turn ends in a call or in the answer in the format, and a strict
-function's arguments are held to its schema. Text that does not open with harmony's
-framing (an output held to JSON by a forced tool choice) is content as it is.
-`HarmonyTextLogprobs` tells the same content's tokens, for Responses' output_text logprobs.
+to the model in its developer message (`show_format`), which the grammar does not do.
+Beside tools under "auto" (`auto_constraint`) the turn ends in a call or in the answer
+in the format, and a strict function's arguments are held to its schema. Text that does
+not open with harmony's framing (an output held to JSON by a forced tool choice) is
+content as it is. `HarmonyTextLogprobs` tells the same content's tokens, for Responses'
+output_text logprobs.
 
 mlx-lm has no parser for this format; vLLM reads it with OpenAI's `openai_harmony`,
 which fetches its vocabulary at run time, so this one works on the decoded text.
