@@ -31,6 +31,11 @@ class EngineConfig:
     `buffer_cache_bytes` bounds the freed device buffers MLX keeps for reuse (its cache
     limit, one per process); None bounds it by the KV pool (engine.py,
     `bound_buffer_cache`).
+    `window_pool`: a model with both sliding-window and full-attention layers (Gemma 2
+    and 3, gpt-oss) keeps its sliding layers' K/V in window slots lent to the blocks
+    their windows reach (kv/window_slots.py), so a long context holds whole blocks for
+    its full-attention layers only; False keeps every layer's whole context in the one
+    pool (for A/B measurements).
     """
 
     model: str = str(default_model_path())
@@ -56,6 +61,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     device: str | None = None
     buffer_cache_bytes: int | None = None
+    window_pool: bool = True
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ import numpy as np
 from .attention.metadata import (AttentionMetadata, GroupMetadata, causal_mask, flatten, padded_size,
                                  padded_tables)
 from .kv.paged_cache import KVPool, StepContext
+from .kv.window_slots import WindowSlots
 
 MIN_WIDTH = 4          # block-table width of the smallest bucket
 GATHER_WIDTH_STEP = 8
@@ -34,28 +35,47 @@ class DecodeGraph:
     attention metadata; this calls it compiled, on padded decode batches."""
 
     def __init__(self, logits_fn: Callable[[mx.array], mx.array], ctx: StepContext, pool: KVPool,
-                 padding_free: bool, max_batch: int | None = None):
+                 padding_free: bool, max_batch: int | None = None,
+                 window: tuple[StepContext, KVPool, WindowSlots] | None = None):
+        """`window`: the context, pool and slots of layers that keep their K/V in window
+        slots, whose tables and KV slots are the main ones mapped through `slot_of`."""
         self._logits_fn = logits_fn
         self.padding_free = padding_free
         self.max_batch = max_batch   # larger decode steps run eagerly; None: no limit
         self.ctx = ctx
         self.block_size = pool.block_size
         self.scratch_slot = pool.scratch_slot
-        self._state = [pool.keys, pool.values]
+        self.window = window
+        self._state = [pool.keys, pool.values] + ([window[1].keys, window[1].values] if window else [])
         self._fn = mx.compile(self._trace, inputs=self._state, outputs=self._state)
         self.traced: set[tuple[int, int]] = set()   # (batch, width) buckets traced so far
         self.used: set[tuple[int, int]] = set()     # buckets steps have run in
         self.warm_batch = 0                         # the largest batch bucket `warm_up` traced
 
-    def _trace(self, tokens, positions, slots, tables, context_lens):
+    def _trace(self, tokens, positions, slots, tables, context_lens, *window_inputs):
         b, width = tables.shape
         query_pos = positions[:, None]
-        group = GroupMetadata(
-            row_start=0, row_end=b, block_tables=tables, query_pos=query_pos,
-            context_lens=context_lens, max_context_len=width * self.block_size,
-            mask=causal_mask(query_pos, width, self.block_size))
-        self.ctx.meta = AttentionMetadata(positions, slots, [group], self.block_size)
+        mask = causal_mask(query_pos, width, self.block_size)
+
+        def meta(slots_, tables_):
+            group = GroupMetadata(row_start=0, row_end=b, block_tables=tables_, query_pos=query_pos,
+                                  context_lens=context_lens, max_context_len=width * self.block_size, mask=mask)
+            return AttentionMetadata(positions, slots_, [group], self.block_size)
+
+        self.ctx.meta = meta(slots, tables)
+        if self.window is not None:
+            self.window[0].meta = meta(*window_inputs)
         return self._logits_fn(tokens[:, None])
+
+    def _window_inputs(self, bt: np.ndarray, pos: np.ndarray, b: int) -> list[mx.array]:
+        """The window pool's KV slots and tables for padded tables `bt` and positions."""
+        if self.window is None:
+            return []
+        pool, slots = self.window[1], self.window[2]
+        wbt = slots.slot_of[bt]
+        ws = np.full(len(pos), pool.scratch_slot, dtype=np.int32)
+        ws[:b] = wbt[np.arange(b), pos[:b] // self.block_size] * self.block_size + pos[:b] % self.block_size
+        return [mx.array(ws), mx.array(wbt)]
 
     def accepts(self, batch: int) -> bool:
         return self.max_batch is None or batch <= self.max_batch
@@ -87,8 +107,10 @@ class DecodeGraph:
                 if (b, w) in self.traced:
                     continue
                 zeros = mx.zeros((b,), dtype=mx.int32)
+                window = [] if self.window is None else [mx.full((b,), self.window[1].scratch_slot, dtype=mx.int32),
+                                                         mx.zeros((b, w), dtype=mx.int32)]
                 logits = self._fn(zeros, zeros, mx.full((b,), self.scratch_slot, dtype=mx.int32),
-                                  mx.zeros((b, w), dtype=mx.int32), mx.ones((b,), dtype=mx.int32))
+                                  mx.zeros((b, w), dtype=mx.int32), mx.ones((b,), dtype=mx.int32), *window)
                 mx.eval(logits, self._state)
                 self.traced.add((b, w))
         self.warm_batch = max(self.warm_batch, batches[-1])
@@ -112,7 +134,8 @@ class DecodeGraph:
         ctx[:b] = pos[:b] + 1
         if bp > b:
             tokens = mx.concatenate([tokens, mx.zeros((bp - b,), dtype=tokens.dtype)])
-        logits = self._fn(tokens, mx.array(pos), mx.array(slots), mx.array(bt), mx.array(ctx))
+        logits = self._fn(tokens, mx.array(pos), mx.array(slots), mx.array(bt), mx.array(ctx),
+                          *self._window_inputs(bt, pos, b))
         self.traced.add((bp, width))
         self.used.add((bp, width))
         return logits if bp == b else logits[:b]

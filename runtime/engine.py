@@ -24,9 +24,10 @@ from .errors import (DuplicateRequestError, EmptyPromptError, InvalidRequestErro
                      PromptTooLongError, TokenOutOfVocabularyError)
 from .kv.block_manager import KVCacheManager
 from .kv.block_pool import device_memory_bytes, kv_bytes_per_block, num_blocks_for_budget
+from .kv.window_slots import WindowSlots, num_window_slots
 from .model_runner import ModelRunner, PendingStep
 from .models.fuse import fuse_projections
-from .models.loader import activation_dtype, kv_geometry, load, max_context
+from .models.loader import activation_dtype, kv_geometry, layer_windows, load, max_context
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -134,14 +135,14 @@ class LLMEngine:
 
         num_layers, kv_heads, head_dim = kv_geometry(self.model)
         dtype = getattr(mx, config.kv_cache_dtype) if config.kv_cache_dtype else activation_dtype(self.model)
-        per_block = kv_bytes_per_block(num_layers, kv_heads, head_dim, dtype.size, config.block_size)
-        self.num_blocks = self._num_blocks(per_block)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_blocks, window = self._kv_layout(num_layers, kv_heads, head_dim, dtype)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
                                   config.attention_backend, config.compile_decode,
-                                  config.graph_prefill_tokens, config.prefill_kernel)
+                                  config.graph_prefill_tokens, config.prefill_kernel, window)
         self.runner.verify()
-        self.buffer_cache_limit = bound_buffer_cache(config.buffer_cache_bytes, self.runner.pool.nbytes)
+        self.kv_bytes = sum(p.nbytes for p in self.runner.pools())
+        self.buffer_cache_limit = bound_buffer_cache(config.buffer_cache_bytes, self.kv_bytes)
         if self.runner.decode_graph is not None:
             t = time.perf_counter()
             # Room for a short prefill chunk beside a full batch of decodes.
@@ -176,16 +177,54 @@ class LLMEngine:
         # the collector's generations, every full collection walks them again (about
         # 3 ms a step at 256 running sequences). Freezing them keeps collections small.
         gc.freeze()
-        log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), backend %s",
+        log.info("engine ready: %s, %d KV blocks of %d tokens%s (%.1f MiB), backend %s",
                  config.model, self.num_blocks, config.block_size,
-                 self.runner.pool.nbytes / 2**20, self.runner.attention_backend)
+                 f" and {window.num_slots} window slots" if window else "", self.kv_bytes / 2**20,
+                 self.runner.attention_backend)
 
-    def _num_blocks(self, per_block: int) -> int:
+    def _budget(self) -> int:
+        c = self.config
+        return c.kv_cache_memory_bytes or int(device_memory_bytes() * c.kv_cache_memory_fraction)
+
+    def _kv_layout(self, num_layers: int, kv_heads: int, head_dim: int,
+                   dtype: mx.Dtype) -> tuple[int, WindowSlots | None]:
+        """The main pool's blocks and, for a model with both sliding-window and
+        full-attention layers (`window_pool`), its sliding layers' window slots; one
+        pool of every layer where the budget cannot hold a window pool beside it."""
+        c = self.config
+        geometry = (kv_heads, head_dim, dtype.size, c.block_size)
+        windows = [w for w in layer_windows(self.model) if w is not None]
+        if c.window_pool and 0 < len(windows) < num_layers:
+            per_block = kv_bytes_per_block(num_layers - len(windows), *geometry)
+            per_slot = kv_bytes_per_block(len(windows), *geometry)
+            slots = self._num_window_slots(max(windows), per_slot, len(windows) / num_layers)
+            reserved = (slots + 1) * per_slot
+            if c.num_gpu_blocks is not None or self._budget() - reserved >= per_block:
+                n = self._num_blocks(per_block, reserved)
+                return n, WindowSlots(slots, n, max(windows), c.block_size)
+            log.warning("a KV budget of %d bytes cannot hold the window pool (%d bytes) beside the main pool: "
+                        "one pool holds every layer", self._budget(), reserved)
+        return self._num_blocks(kv_bytes_per_block(num_layers, *geometry)), None
+
+    def _num_window_slots(self, window: int, per_slot: int, share: float) -> int:
+        """The window pool's slots: `num_window_slots` for the engine's batch, and within
+        the share of the KV budget its layers would hold in the one pool, so the main
+        pool never holds fewer blocks than it would then."""
+        c = self.config
+        step = c.max_num_batched_tokens if c.enable_continuous_batching else \
+            max(c.max_num_batched_tokens, self.max_model_len)
+        n = num_window_slots(window, c.block_size, c.max_num_seqs, step)
+        if c.num_gpu_blocks is not None:
+            return n
+        single = -(-(step + window) // c.block_size) + 2   # one sequence's most
+        return max(min(n, int(self._budget() * share) // per_slot - 1), single)
+
+    def _num_blocks(self, per_block: int, reserved: int = 0) -> int:
+        """The main pool's blocks: the KV budget less `reserved` (the window pool's)."""
         c = self.config
         if c.num_gpu_blocks is not None:
             return c.num_gpu_blocks
-        budget = c.kv_cache_memory_bytes or int(device_memory_bytes() * c.kv_cache_memory_fraction)
-        n = num_blocks_for_budget(budget, per_block)
+        n = num_blocks_for_budget(self._budget() - reserved, per_block)
         # More than every sequence at full length (twice, for the prefix cache) is waste.
         useful = 2 * c.max_num_seqs * -(-self.max_model_len // c.block_size)
         return min(n, useful)
@@ -297,7 +336,10 @@ class LLMEngine:
         for rid in failed:
             self.abort(rid)
         self.kv.cache.reset()
-        self.runner.pool.reset()
+        for pool in self.runner.pools():
+            pool.reset()
+        if self.kv.window is not None:
+            self.kv.window.reset()
         mx.clear_cache()
         self._counters["step_failures"] += 1
         return failed
@@ -544,7 +586,8 @@ class LLMEngine:
         pc = self.kv.cache.stats
         held = usage.num_used_blocks
         per_block = self.runner.pool.bytes_per_block
-        pool = self.kv.pool
+        pool, window = self.kv.pool, self.kv.window
+        per_slot = self.runner.window_pool.bytes_per_block if window else 0
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
@@ -554,9 +597,11 @@ class LLMEngine:
             "num_cached_blocks": usage.num_cached_blocks,
             "num_blocks_held_by_requests": held,
             "block_size": self.config.block_size,
-            "kv_cache_bytes_total": self.runner.pool.nbytes,
-            "kv_cache_bytes_in_use": held * per_block,
-            "kv_cache_bytes_peak": pool.peak_used * per_block,
+            "window_slots_total": window.num_slots if window else 0,
+            "window_slots_in_use": window.num_used if window else 0,
+            "kv_cache_bytes_total": self.kv_bytes,
+            "kv_cache_bytes_in_use": held * per_block + (window.num_used * per_slot if window else 0),
+            "kv_cache_bytes_peak": pool.peak_used * per_block + (window.peak_used * per_slot if window else 0),
             "kv_cache_bytes_saved_by_sharing": pool.num_shared_refs * per_block,
             "kv_cache_usage": held / usage.num_total_blocks,
             "prefix_cache_queries": pc.queries,

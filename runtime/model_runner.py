@@ -9,6 +9,7 @@ its end this step. The last layer attends only for them too (`SampledRows`).
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,7 @@ from .attention.metadata import padded_rows
 from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
+from .kv.window_slots import WindowSlots
 from .models.loader import has_attention_sinks, kv_geometry, layer_windows
 from .outputs import Logprob
 from .sampling import SampleResult, sample, token_logprobs
@@ -75,15 +77,25 @@ class PendingStep:
 
 
 class ModelRunner:
+    """`window`: where sliding-window layers keep their K/V in a pool of window slots of
+    their own (`WindowSlots`); None keeps every layer's in the main pool."""
+
     def __init__(self, model, num_blocks: int, block_size: int, dtype: mx.Dtype,
                  attention_backend: str = "gather", compile_decode: bool | None = False,
-                 graph_prefill_tokens: int = 0, prefill_kernel: bool = True):
+                 graph_prefill_tokens: int = 0, prefill_kernel: bool = True,
+                 window: WindowSlots | None = None):
         self.model = model
         self.block_size = block_size
         num_layers, kv_heads, head_dim = kv_geometry(model)
-        self.pool = KVPool(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
-        heads = model.args.num_attention_heads
         windows = layer_windows(model)
+        self.window = window
+        # Each layer's pool and its index there.
+        apart = [window is not None and w is not None for w in windows]
+        index = [sum(1 for j in range(i) if apart[j] == apart[i]) for i in range(num_layers)]
+        self.pool = KVPool(apart.count(False), num_blocks, block_size, kv_heads, head_dim, dtype)
+        self.window_pool = None if window is None else \
+            KVPool(apart.count(True), window.num_slots, block_size, kv_heads, head_dim, dtype)
+        heads = model.args.num_attention_heads
         self.attention_backend, why = resolve_backend(attention_backend, heads, kv_heads, head_dim,
                                                       block_size, dtype, min(filter(None, windows), default=None),
                                                       has_attention_sinks(model))
@@ -92,8 +104,11 @@ class ModelRunner:
             prefill, prefill_why = prefill_fn(self.attention_backend, heads, kv_heads, head_dim, block_size, dtype)
         log.info("attention backend %s (%s; %s)", self.attention_backend, why, prefill_why)
         self.ctx = StepContext(attend_fn=get_backend(self.attention_backend), prefill_fn=prefill)
-        self.caches = [PagedLayerCache(self.pool, i, self.ctx, last=i == num_layers - 1, window=w)
-                       for i, w in enumerate(windows)]
+        self.wctx = StepContext(attend_fn=self.ctx.attend_fn, prefill_fn=prefill)   # the window pool's layers
+        self.caches = [PagedLayerCache(self.window_pool if a else self.pool, j, self.wctx if a else self.ctx,
+                                       last=i == num_layers - 1, window=w)
+                       for i, (w, a, j) in enumerate(zip(windows, apart, index))]
+        self.last_ctx = self.caches[-1].ctx
         # Where fused attention builds a plan per shape (CUDA), prefill attention keeps
         # to few shapes or does without it (`make_group`).
         self.plan_per_shape = available("cuda")
@@ -116,7 +131,7 @@ class ModelRunner:
         self.decode_graph = None
         if compile_decode:
             self.decode_graph = DecodeGraph(self._decode_logits, self.ctx, self.pool, self.padding_free,
-                                            max_batch)
+                                            max_batch, self._window_pool())
         # Prefill chunks of up to this many tokens (prefix-cache hits, chat turns) join
         # a step's decodes in the compiled graph, one row a token, where the step fits a
         # bucket traced at start-up: such a step is host-bound, and eagerly it builds and
@@ -124,6 +139,13 @@ class ModelRunner:
         self.graph_prefill_tokens = graph_prefill_tokens
         if graph_prefill_tokens and self.decode_graph is None:
             log.warning("graph_prefill_tokens does nothing without compile_decode: no graph to run in")
+
+    def _window_pool(self):
+        """(context, pool, slots) of the layers in the window pool, or None."""
+        return None if self.window is None else (self.wctx, self.window_pool, self.window)
+
+    def pools(self) -> list[KVPool]:
+        return [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
 
     def _decode_logits(self, inputs: mx.array) -> mx.array:
         return self._logits(inputs, None, self._split_head)
@@ -150,7 +172,7 @@ class ModelRunner:
         tables, starts, lengths, tokens, rows, ends = [], [], [], [], [], []
         fill_rows, fill_src = [], []
         t = 0
-        self.ctx.sampled = None
+        self.ctx.sampled = self.wctx.sampled = None
         for s in scheduled:
             end = s.start + s.num_tokens
             tables.append(s.seq.block_ids[:-(-end // self.block_size)])
@@ -183,14 +205,15 @@ class ModelRunner:
         pad = padded_rows(t) - t if self.pad_rows else 0
         if pad:
             inputs = mx.concatenate([inputs, mx.zeros((pad,), dtype=inputs.dtype)])
-        self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size,
-                                       split_decodes=not self.padding_free,
-                                       plan_per_shape=self.plan_per_shape,
-                                       pad_rows=pad, scratch_slot=self.pool.scratch_slot)
+        meta = partial(build_metadata, tables, starts, lengths, self.block_size,
+                       split_decodes=not self.padding_free, plan_per_shape=self.plan_per_shape, pad_rows=pad)
+        self.ctx.meta = meta(scratch_slot=self.pool.scratch_slot)
+        if self.window is not None:
+            self.wctx.meta = meta(scratch_slot=self.window_pool.scratch_slot, slot_of=self.window.slot_of)
         # The last layer attends for the sampling rows alone, unless prompt rows are
         # wanted too: then it runs for all, as a plain prefill does.
         if rows and len(rows) < t and not prompt_spans:
-            self.ctx.sampled = self._sampled_rows(rows, ends)
+            self.last_ctx.sampled = self._sampled_rows(rows, ends)
         split = self._split_head if split_head is None else split_head
         n = len(rows)
         if n == t and not pad and not prompt_spans:   # every row samples, in order, none pads
@@ -219,7 +242,8 @@ class ModelRunner:
         order = sorted(range(len(rows)), key=lambda i: -ends[i][0])
         meta = build_metadata([ends[i][1] for i in order], [ends[i][0] - 1 for i in order],
                               [1] * len(rows), self.block_size, split_decodes=not self.padding_free,
-                              plan_per_shape=self.plan_per_shape)
+                              plan_per_shape=self.plan_per_shape,
+                              slot_of=self.window.slot_of if self.last_ctx is self.wctx else None)
         return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta)
 
     def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None,
@@ -271,7 +295,7 @@ class ModelRunner:
             outs.append(pending.logits)
         if pr is not None:
             outs += [pr.logprobs, pr.top_ids, pr.top_logprobs]
-        mx.async_eval(*(a for a in outs if a is not None), *self.pool.arrays())
+        mx.async_eval(*(a for a in outs if a is not None), *(a for p in self.pools() for a in p.arrays()))
 
     @staticmethod
     def sample(pending: "PendingStep") -> None:
@@ -342,8 +366,17 @@ class ModelRunner:
         seq.block_ids = [0]
         for c in self.caches:
             c.attended = 0
+        if self.window is not None:   # block 0 borrows slot 0, free at start-up too
+            self.window.slot_of[0] = 0
+        try:
+            self._verify(seq, probe[2], ref, atol)
+        finally:
+            if self.window is not None:
+                self.window.slot_of[0] = self.window.scratch
+
+    def _verify(self, seq, third: int, ref: mx.array, atol: float) -> None:
         got_prefill = self.forward([ScheduledSeq(seq, 2, 0)], split_head=False)
-        seq.token_ids.append(probe[2])
+        seq.token_ids.append(third)
         got_decode = self.forward([ScheduledSeq(seq, 1, 2)], split_head=False)
         if any(c.attended != 2 for c in self.caches):
             raise UnsupportedModelError(

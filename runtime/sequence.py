@@ -38,6 +38,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
+    window_from: int = 0                                  # its blocks from here on hold window slots
     num_cached_tokens: int | None = None                  # prefix hit at first admission
     first_scheduled_time: float | None = None             # time.monotonic() at first admission
     logprobs: list[Logprob] = field(default_factory=list)

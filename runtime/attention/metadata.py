@@ -305,19 +305,22 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
                    block_size: int, split_decodes: bool = True,
                    plan_per_shape: bool = False, unfused_max_queries: int | None = None,
                    pad_steps: int | None = None, pad_rows: int = 0,
-                   scratch_slot: int = 0) -> AttentionMetadata:
+                   scratch_slot: int = 0, slot_of: np.ndarray | None = None) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `plan_per_shape`
     pads long prefill groups to a few shapes an octave and attends short ones unfused
     (see `make_group`). `pad_rows` rows after the sequences' pad the batch: they sit at
-    position 0 and write their K/V to `scratch_slot`. Vectorized over tokens: the
-    per-sequence Python work is flattening the block tables, once."""
+    position 0 and write their K/V to `scratch_slot`. `slot_of`: the block ids' window
+    slots (`WindowSlots.slot_of`), for layers whose K/V live there. Vectorized over
+    tokens: the per-sequence Python work is flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
     row_of = np.concatenate([[0], np.cumsum(lens)])
     seq_of_row = np.repeat(np.arange(len(lens)), lens)
     positions = (np.arange(row_of[-1]) - row_of[:-1][seq_of_row] + np.asarray(starts)[seq_of_row])
     flat, widths = flatten(block_tables)
+    if slot_of is not None:
+        flat = slot_of[flat].astype(np.int64)
     table_at = np.concatenate([[0], np.cumsum(widths)])
     slots = flat[table_at[:-1][seq_of_row] + positions // block_size] * block_size + positions % block_size
     groups = [make_group(flat[table_at[a]:table_at[b]], widths[a:b], starts[a:b], lengths[a:b], ctx[a:b],

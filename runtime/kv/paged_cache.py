@@ -1,8 +1,10 @@
 """KV storage in MLX arrays, and the per-layer cache objects mlx-lm models talk to.
 
-`KVPool` preallocates one K and one V array per layer, shaped ((num_blocks + 1) *
-block_size, kv_heads, head_dim): a block is `block_size` consecutive slots. The extra
-block is scratch that no sequence owns: rows that pad a batch write their K/V there.
+`KVPool` preallocates one K and one V array per layer it holds, shaped ((num_blocks + 1)
+* block_size, kv_heads, head_dim): a block is `block_size` consecutive slots. The extra
+block is scratch that no sequence owns: rows that pad a batch write their K/V there. The
+main pool holds every layer, or the full-attention layers where a window pool of its own
+holds the sliding-window layers' (window_slots.py).
 New K/V are scattered into their slots in place (`pool[slots] = k`); attention reads
 them back through block tables, never concatenating per step.
 

@@ -67,8 +67,9 @@ class PrefixCache:
     def cached_hashes(self):
         return self._blocks.keys()
 
-    def lookup(self, hashes: list[bytes], num_tokens: int, block_size: int) -> list[int]:
-        """Longest run of cached blocks at the start of `hashes`. Does not take refs."""
+    def lookup(self, hashes: list[bytes], num_tokens: int, block_size: int, usable=None) -> list[int]:
+        """Longest run of cached blocks at the start of `hashes`, cut back by `usable`
+        (hit -> the part of it that can be used), if given. Does not take refs."""
         self.stats.queries += 1
         self.stats.query_tokens += num_tokens
         if not self.enabled:
@@ -79,6 +80,8 @@ class PrefixCache:
             if block_id is None:
                 break
             hit.append(block_id)
+        if usable is not None:
+            hit = usable(hit)
         if hit:
             self.stats.hits += 1
             self.stats.hit_tokens += len(hit) * block_size

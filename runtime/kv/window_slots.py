@@ -1,0 +1,107 @@
+"""Storage for sliding-window layers, lent to the main pool's blocks while windows need it.
+
+A sliding-window layer attends each query's last W keys, so it needs a block's K/V only
+while some query's window reaches the block: for a long context, a few blocks a
+sequence. Full-attention layers keep their K/V in the main pool (`BlockPool` ids,
+`block_manager`); sliding layers keep theirs in a pool of window slots of their own,
+sized for the windows of a full batch (`num_window_slots`), not for whole contexts.
+
+A block of the main pool has a window slot (`slot_of[block]`) or none. A running
+sequence holds a reference on the slots of its blocks from the one its next query's
+window starts in (`first_needed`). A slot nobody references stays with its block in
+an LRU queue, K/V kept, so a later prefix hit finds the window before its end (the hit
+is cut back to where it does, `covers`); it is taken for another block when the queue
+runs dry of unattached slots. A block reused for new content keeps its slot, where the
+new K/V are written.
+
+This is bookkeeping only: `slot_of` maps block tables onto the window pool's arrays
+(`paged_cache.KVPool`), whose last slot is scratch, the mapping of a block without one.
+"""
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+def num_window_slots(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Slots for every running sequence's window, twice over (so that the windows before
+    cached prefixes' ends stay for later hits), and a full step's new tokens: a sequence
+    with n new tokens needs the blocks of [start - W + 1, start + n), at most
+    (n + W - 1) / block_size + 2."""
+    per_seq = (window - 1) // block_size + 3
+    return 2 * max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+
+class WindowSlots:
+    def __init__(self, num_slots: int, num_blocks: int, window: int, block_size: int):
+        if num_slots < 1:
+            raise ValueError("the window pool needs at least one slot")
+        self.num_slots = num_slots
+        self.window = window
+        self.block_size = block_size
+        self.scratch = num_slots
+        # Indexed by block id, the main pool's scratch block (`num_blocks`) included.
+        self.slot_of = np.full(num_blocks + 1, num_slots, dtype=np.int32)
+        self.block_of = [-1] * num_slots
+        self.ref_cnt = [0] * num_slots
+        # Slots nobody references: unattached ones at the head, then attached ones, least
+        # recently released first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
+        self.peak_used = 0
+        self.evictions = 0   # slots taken from a block whose K/V a later hit could have used
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def first_needed(self, position: int) -> int:
+        """The index of the first block the window of a query at `position` reaches."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def covers(self, block_ids: list[int]) -> bool:
+        """Whether every block has its window slot (its K/V for sliding layers)."""
+        return all(self.slot_of[b] != self.scratch for b in block_ids)
+
+    def can_acquire(self, block_ids: list[int], num_new: int) -> bool:
+        """Whether `block_ids` (with or without slots) and `num_new` new blocks can all be
+        referenced."""
+        missing = sum(1 for b in block_ids if self.slot_of[b] == self.scratch) + num_new
+        idle = sum(1 for b in block_ids if (s := self.slot_of[b]) != self.scratch and self.ref_cnt[s] == 0)
+        return missing <= self.num_free - idle
+
+    def acquire(self, block_ids) -> None:
+        """Reference each block's slot, giving one to a block without (`can_acquire`
+        first): an unattached slot, or the least recently released one."""
+        for b in block_ids:
+            s = int(self.slot_of[b])
+            if s == self.scratch:
+                s, _ = self._free.popitem(last=False)
+                if self.block_of[s] >= 0:
+                    self.slot_of[self.block_of[s]] = self.scratch
+                    self.evictions += 1
+                self.slot_of[b], self.block_of[s] = s, b
+            elif self.ref_cnt[s] == 0:
+                del self._free[s]
+            self.ref_cnt[s] += 1
+        self.peak_used = max(self.peak_used, self.num_used)
+
+    def release(self, block_ids) -> None:
+        """Drop a reference from each block's slot; an unreferenced one keeps its K/V."""
+        for b in block_ids:
+            s = int(self.slot_of[b])
+            self.ref_cnt[s] -= 1
+            assert self.ref_cnt[s] >= 0, f"window slot {s} released twice"
+            if self.ref_cnt[s] == 0:
+                self._free[s] = None
+
+    def reset(self) -> None:
+        """Take every unreferenced slot from its block: the window pool was written
+        afresh, so none holds its block's K/V any more."""
+        for s in list(self._free):
+            if self.block_of[s] >= 0:
+                self.slot_of[self.block_of[s]], self.block_of[s] = self.scratch, -1
+                self._free.move_to_end(s, last=False)
