@@ -77,10 +77,11 @@ ARCHS = ("llama", "qwen3", "gemma3_text", "gpt_oss")
 
 def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
                  kv_heads: int, context: int, tie: bool, intermediate: int | None = None,
-                 sliding_window: int = 8) -> dict:
-    """`sliding_window`: the window of gemma3_text's and gpt_oss's sliding layers (every
-    other layer is one; gpt_oss's others attend with sinks too, and its MLP is 4 experts,
-    2 a token)."""
+                 sliding_window: int = 8, window_pattern: int = 2) -> dict:
+    """`sliding_window`: the window of gemma3_text's and gpt_oss's sliding layers; every
+    `window_pattern`-th layer attends in full, the others are sliding (Gemma 3's 6,
+    gpt-oss's 2; gpt_oss's layers attend with sinks too, and its MLP is 4 experts, 2 a
+    token)."""
     head_dim = hidden // heads
     config = {
         "model_type": arch,
@@ -103,12 +104,14 @@ def model_config(arch: str, vocab: int, hidden: int, layers: int, heads: int,
     elif arch == "qwen3":
         config["architectures"] = ["Qwen3ForCausalLM"]
     elif arch == "gemma3_text":
-        config.update(architectures=["Gemma3ForCausalLM"], sliding_window=sliding_window, sliding_window_pattern=2,
+        config.update(architectures=["Gemma3ForCausalLM"], sliding_window=sliding_window,
+                      sliding_window_pattern=window_pattern,
                       query_pre_attn_scalar=head_dim, rope_local_base_freq=10000.0)
     elif arch == "gpt_oss":
         config.update(architectures=["GptOssForCausalLM"], sliding_window=sliding_window, num_local_experts=4,
-                      num_experts_per_tok=2, layer_types=[("sliding_attention", "full_attention")[i % 2]
-                                                          for i in range(layers)])
+                      num_experts_per_tok=2,
+                      layer_types=[("sliding_attention", "full_attention")[(i + 1) % window_pattern == 0]
+                                   for i in range(layers)])
     else:
         raise ValueError(f"unknown arch {arch!r}: choose {', '.join(ARCHS)}")
     return config
@@ -143,14 +146,15 @@ def make_model(out, arch: str = "llama", hidden: int = 128, layers: int = 4,
                context: int = 4096, tie: bool = True, seed: int = 0,
                dtype: str = "float32", quantize: int | None = None,
                train_steps: int = 0, intermediate: int | None = None,
-               added_tokens: tuple[str, ...] = (), sliding_window: int = 8) -> Path:
+               added_tokens: tuple[str, ...] = (), sliding_window: int = 8, window_pattern: int = 2) -> Path:
     """Write a model directory and return its path."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, vocab_size, tuple(added_tokens))
-    config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie, intermediate, sliding_window)
+    config = model_config(arch, vocab, hidden, layers, heads, kv_heads, context, tie, intermediate, sliding_window,
+                          window_pattern)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
