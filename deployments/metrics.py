@@ -31,6 +31,8 @@ class _ReplicaStats:
                                             "KV bytes live requests would hold without block sharing."),
         "num_free_blocks": ("num_free_blocks", "Free KV blocks (cached or not)."),
         "num_cached_blocks": ("num_cached_blocks", "Blocks the prefix cache can serve."),
+        "num_window_slots_in_use": ("window_slots_in_use",
+                                    "Window slots (sliding-window layers' K/V) held by requests."),
         "device_memory_active_bytes": ("device_memory_active_bytes", "MLX memory in use by the engines."),
         "device_memory_cache_bytes": ("device_memory_cache_bytes",
                                       "Freed MLX buffers the engines keep for reuse (given back when idle)."),
@@ -44,6 +46,8 @@ class _ReplicaStats:
         "prefix_cache_query_requests": ("prefix_cache_queries", "Prefix-cache lookups."),
         "prefix_cache_hit_requests": ("prefix_cache_hits", "Lookups that hit at least one block."),
         "num_preemptions": ("preemptions", "Sequences preempted for lack of KV blocks."),
+        "window_slot_evictions": ("window_slot_evictions",
+                                  "Window slots taken from blocks whose K/V a later prefix hit could have used."),
         "num_step_failures": ("step_failures", "Engine steps that raised; their requests were aborted."),
     }
 

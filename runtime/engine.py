@@ -599,6 +599,7 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "window_slots_total": window.num_slots if window else 0,
             "window_slots_in_use": window.num_used if window else 0,
+            "window_slot_evictions": window.evictions if window else 0,
             "kv_cache_bytes_total": self.kv_bytes,
             "kv_cache_bytes_in_use": held * per_block + (window.num_used * per_slot if window else 0),
             "kv_cache_bytes_peak": pool.peak_used * per_block + (window.peak_used * per_slot if window else 0),

@@ -932,6 +932,7 @@ def test_metrics_after_traffic(server, front, client):
     assert metric(text, "num_step_failures_total") == 0
     assert metric(text, "kv_cache_usage_perc") is not None
     assert metric(text, "num_requests_waiting") is not None
+    assert metric(text, "num_window_slots_in_use") == 0 and metric(text, "window_slot_evictions_total") == 0
     # The engine's steps by duration: the two requests took at least 2 x 4 of them.
     steps = metric(text, "engine_step_duration_seconds_count") - (
         metric(before, "engine_step_duration_seconds_count") or 0)
