@@ -83,6 +83,19 @@ def test_short_of_slots_nothing_changes():
     assert kv.allocate_slots(b, 8)
 
 
+def test_blocks_keep_their_own_slots_when_others_take_new_ones():
+    """A block whose idle slot holds its K/V gets that slot back even when a block
+    beside it in the same call needs a new one and that slot is the oldest idle."""
+    window = WindowSlots(2, 8, W, BS)
+    window.acquire([0, 1])
+    window.release([0, 1])                     # both idle, block 0's the oldest
+    own = int(window.slot_of[0])
+    assert window.can_acquire([5, 0], 0)
+    window.acquire([5, 0])
+    assert window.slot_of[0] == own and window.covers([5]) and not window.covers([1])
+    assert window.evictions == 1 and window.num_used == 2
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gpt-oss"])
 def test_a_long_context_holds_its_windows_blocks_only(model_dirs, name):
     """A sliding layer's K/V sit in window slots: a 200-token context holds a few of

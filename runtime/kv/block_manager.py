@@ -81,7 +81,7 @@ class KVCacheManager:
         reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if need > self.pool.num_free - reclaimed:
             return False
-        windowed = computed_blocks[seq.window_from:] if w is not None else []
+        windowed = list(computed_blocks[seq.window_from:]) if w is not None else []
         if w is not None and not w.can_acquire(windowed, need):
             return False
         for b in computed_blocks:
@@ -91,8 +91,7 @@ class KVCacheManager:
         new = [self.cache.allocate() for _ in range(need)]
         seq.block_ids.extend(new)
         if w is not None:
-            w.acquire(windowed)
-            w.acquire(new)
+            w.acquire(windowed + new)
         self._publish_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 

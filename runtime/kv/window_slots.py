@@ -75,18 +75,24 @@ class WindowSlots:
 
     def acquire(self, block_ids) -> None:
         """Reference each block's slot, giving one to a block without (`can_acquire`
-        first): an unattached slot, or the least recently released one."""
+        first): an unattached slot, or the least recently released one. The blocks'
+        own slots are taken first, so none of them is given to another."""
+        missing = []
         for b in block_ids:
             s = int(self.slot_of[b])
             if s == self.scratch:
-                s, _ = self._free.popitem(last=False)
-                if self.block_of[s] >= 0:
-                    self.slot_of[self.block_of[s]] = self.scratch
-                    self.evictions += 1
-                self.slot_of[b], self.block_of[s] = s, b
-            elif self.ref_cnt[s] == 0:
+                missing.append(b)
+                continue
+            if self.ref_cnt[s] == 0:
                 del self._free[s]
             self.ref_cnt[s] += 1
+        for b in missing:
+            s, _ = self._free.popitem(last=False)
+            if self.block_of[s] >= 0:
+                self.slot_of[self.block_of[s]] = self.scratch
+                self.evictions += 1
+            self.slot_of[b], self.block_of[s] = s, b
+            self.ref_cnt[s] = 1
         self.peak_used = max(self.peak_used, self.num_used)
 
     def release(self, block_ids) -> None:
