@@ -56,8 +56,10 @@ def layer_windows(model, model_type: str | None = None) -> list[int | None]:
     """Each layer's attention window, from the caches mlx-lm makes for the model: None
     for a full-attention `KVCache`, W for a `RotatingKVCache` of `max_size` W (and no
     kept prefix), whose layer attends its last W tokens (Gemma 2 and 3, gpt-oss, Mistral's
-    sliding layers). The paged engine keeps such a layer's whole context in its blocks
-    and masks attention to the window, so prefixes stay shareable."""
+    sliding layers). The paged engine attends such a layer over its window's blocks, and
+    keeps its K/V in window slots lent to the blocks its windows reach
+    (kv/window_slots.py) where the model has full-attention layers too, so prefixes stay
+    shareable."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     model_type = model_type or type(model).__module__
