@@ -67,15 +67,13 @@ class DecodeGraph:
             self.window[0].meta = meta(*window_inputs)
         return self._logits_fn(tokens[:, None])
 
-    def _window_inputs(self, bt: np.ndarray, pos: np.ndarray, b: int) -> list[mx.array]:
-        """The window pool's KV slots and tables for padded tables `bt` and positions."""
+    def _window_inputs(self, bt: np.ndarray, slots: np.ndarray) -> list[mx.array]:
+        """The window pool's KV slots and tables: the main ones' blocks mapped through
+        `slot_of` (the main scratch block's entry is the window pool's scratch)."""
         if self.window is None:
             return []
-        pool, slots = self.window[1], self.window[2]
-        wbt = slots.slot_of[bt]
-        ws = np.full(len(pos), pool.scratch_slot, dtype=np.int32)
-        ws[:b] = wbt[np.arange(b), pos[:b] // self.block_size] * self.block_size + pos[:b] % self.block_size
-        return [mx.array(ws), mx.array(wbt)]
+        slot_of, bs = self.window[2].slot_of, self.block_size
+        return [mx.array(slot_of[slots // bs] * bs + slots % bs), mx.array(slot_of[bt])]
 
     def accepts(self, batch: int) -> bool:
         return self.max_batch is None or batch <= self.max_batch
@@ -135,7 +133,7 @@ class DecodeGraph:
         if bp > b:
             tokens = mx.concatenate([tokens, mx.zeros((bp - b,), dtype=tokens.dtype)])
         logits = self._fn(tokens, mx.array(pos), mx.array(slots), mx.array(bt), mx.array(ctx),
-                          *self._window_inputs(bt, pos, b))
+                          *self._window_inputs(bt, slots))
         self.traced.add((bp, width))
         self.used.add((bp, width))
         return logits if bp == b else logits[:b]
