@@ -224,8 +224,8 @@ class HarmonyTextLogprobs(TextLogprobs):
         self.held: list[tuple[int, str, dict]] = []
         self.header, self.body = "", "content"
 
-    def add(self, tokens: list[tuple[int, str, dict]]) -> None:
-        for token in tokens:
+    def add(self, tokens: list[tuple[int, bytes, dict]]) -> None:
+        for token in self.texts(tokens):
             if self.mode == "open":
                 self.held.append(token)
                 text = "".join(piece for _, piece, _ in self.held)
@@ -249,7 +249,7 @@ class HarmonyTextLogprobs(TextLogprobs):
         t, piece, entry = token
         marker = self.marker.get(t)
         if self.mode == "plain" or (self.mode == "body" and marker is None and self.body == "content"):
-            self.pending.append((len(piece), entry))
+            self.text_token(piece, entry)
         elif self.mode == "header":
             if marker == MESSAGE:
                 self.mode, self.body, self.header = "body", route(self.header, self.calls), ""

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache, partial
+from functools import partial
 
 from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -37,6 +37,7 @@ from .chat_output import ChoiceParser
 from .harmony import (HarmonyParser, HarmonyTextLogprobs, answer_constraint, auto_constraint as harmony_auto,
                       harmony_markers, show_format, template_message)
 from .http_error import HTTPError, items_page
+from .logprobs import LogprobFormat
 from .reasoning import ReasoningSplit
 from .response_store import RUNNING, StoreClient
 from .responses import (ResponseBody, ResponseEvents, ResponsesRequest, TextLogprobs, reasoning_tokens,
@@ -128,6 +129,7 @@ class OpenAIIngress:
         # write to the shared tokenizer): done here, before threads share it.
         self.tokenizer.encode("warm-up")
         self.harmony = harmony_markers(self.tokenizer)   # their ids; None for other models
+        self.lp = LogprobFormat(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(min(TOKENIZE_THREADS, os.cpu_count() or 1),
                                                  thread_name_prefix="tokenize")
         self.metrics = Metrics(self.model_name)
@@ -445,9 +447,9 @@ class OpenAIIngress:
             for o in out.outputs:
                 lps = None
                 if o.logprobs is not None:
-                    lps = self._completion_logprobs([] if echo_only else o.logprobs, len(prefix))
+                    lps = self.lp.completion([] if echo_only else o.logprobs, len(prefix))
                     if body.echo:
-                        lps = _joined(self._prompt_logprobs(out.prompt_logprobs, ids), lps)
+                        lps = _joined(self.lp.prompt(out.prompt_logprobs, ids), lps)
                 choices.append({"index": j * body.n + o.index, "text": prefix + ("" if echo_only else o.text),
                                 "logprobs": lps, "finish_reason": "length" if echo_only else o.finish_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
@@ -458,13 +460,13 @@ class OpenAIIngress:
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         prompt_lps = None
         if echo and body.logprobs is not None:
-            prompt_lps = self._prompt_logprobs(first.prompt_logprobs, prompt_ids)
+            prompt_lps = self.lp.prompt(first.prompt_logprobs, prompt_ids)
         opening = [{"index": i, "text": echo, "logprobs": prompt_lps, "finish_reason": None}
                    for i in range(body.n)] if echo else []
         offsets = [len(echo or "")] * body.n
 
         def choice(o):
-            lp = self._completion_logprobs(o.delta_logprobs, offsets[o.index]) \
+            lp = self.lp.completion(o.delta_logprobs, offsets[o.index]) \
                 if body.logprobs is not None else None
             offsets[o.index] += len(o.delta_text)
             return {"index": o.index, "text": o.delta_text, "logprobs": lp,
@@ -500,7 +502,7 @@ class OpenAIIngress:
             if parser:
                 message, reason = parser().message(o.text, o.finish_reason)
             choices.append({"index": o.index, "message": message,
-                            "logprobs": self._chat_logprobs(o.logprobs) if logprobs else None,
+                            "logprobs": self.lp.chat(o.logprobs) if logprobs else None,
                             "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": _Usage().add(out).body()}
@@ -710,7 +712,7 @@ class OpenAIIngress:
         o = out.outputs[0]
         parts, _ = parser().parts(o.text, o.finish_reason)
         if text_lps is not None:
-            text_lps.add(self._token_logprobs(o.token_ids, o.logprobs))
+            text_lps.add(self.lp.with_bytes(o.token_ids, o.logprobs))
         usage = self._response_usage(out, end_marker, any(kind == "reasoning" for kind, _ in parts))
         return whole_response(envelope, parts, o.finish_reason, usage, text_lps)
 
@@ -774,7 +776,7 @@ class OpenAIIngress:
             timer.output(out)
             o = out.outputs[0]
             if text_lps is not None:
-                text_lps.add(self._token_logprobs(o.delta_token_ids, o.delta_logprobs))
+                text_lps.add(self.lp.with_bytes(o.delta_token_ids, o.delta_logprobs))
             if o.delta_text or o.finish_reason:
                 for ev in stream.feed(parser.parts(o.delta_text, o.finish_reason)[0]):
                     yield ev
@@ -784,11 +786,6 @@ class OpenAIIngress:
         await keep(closing[-1]["response"])
         for ev in closing:
             yield ev
-
-    def _token_logprobs(self, token_ids: list[int], lps) -> list[tuple[int, str, dict]]:
-        """Each token with its text and its chat-style logprob entry."""
-        entries = self._chat_logprobs(lps)["content"] if lps else []
-        return [(t, self._piece(t), e) for t, e in zip(token_ids, entries)]
 
     def _reads_harmony(self, mode: str | None) -> bool:
         """Whether a choice is read as harmony: a harmony model's, unless a forced tool
@@ -824,7 +821,7 @@ class OpenAIIngress:
             if parsers:
                 delta, reason = parsers[o.index].feed(o.delta_text, reason)
             return {"index": o.index, "delta": delta,
-                    "logprobs": self._chat_logprobs(o.delta_logprobs) if body.logprobs else None,
+                    "logprobs": self.lp.chat(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": reason}
 
         on_last = None if keep is None else (lambda last: keep(whole(last)))
@@ -900,51 +897,6 @@ class OpenAIIngress:
 
     def _prompt_text(self, p) -> str:
         return p if isinstance(p, str) else self.tokenizer.decode(p)
-
-    @lru_cache(maxsize=65536)
-    def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _completion_logprobs(self, lps, offset: int = 0):
-        """The legacy completions API's logprobs of generated tokens, text offsets from
-        `offset`; None when none were asked for."""
-        if lps is None:
-            return None
-        return self._legacy_logprobs([(lp.token_id, lp) for lp in lps], offset)
-
-    def _prompt_logprobs(self, entries, prompt_ids: list[int]) -> dict:
-        """The echoed prompt's part of completions logprobs: the first token has none."""
-        return self._legacy_logprobs(list(zip(prompt_ids, entries or [])), 0)
-
-    def _legacy_logprobs(self, tokens: list[tuple[int, object]], offset: int) -> dict:
-        """`tokens`: (id, its `Logprob`, or None where it has none) in text order."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, lp in tokens:
-            piece = self._piece(tok)
-            out["tokens"].append(piece)
-            out["token_logprobs"].append(None if lp is None else lp.logprob)
-            out["top_logprobs"].append(None if lp is None else self._top_with_sampled(lp))
-            out["text_offset"].append(offset)
-            offset += len(piece)
-        return out
-
-    def _top_with_sampled(self, lp) -> dict[str, float]:
-        """The legacy completions API's alternatives: the `logprobs` likeliest tokens and
-        the sampled one, which OpenAI always includes (up to `logprobs` + 1 entries)."""
-        top = {self._piece(t): v for t, v in lp.top}
-        top.setdefault(self._piece(lp.token_id), lp.logprob)
-        return top
-
-    def _chat_logprobs(self, lps):
-        if lps is None:
-            return None
-
-        def entry(t, v):
-            piece = self._piece(t)
-            return {"token": piece, "logprob": v, "bytes": list(piece.encode())}
-
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
 
 def _joined(a: dict, b: dict) -> dict:

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
+from .logprobs import utf8_reader
 from .protocol import Bookkeeping, Effort, _Strict, refused
 
 TEXT_LOGPROBS = "message.output_text.logprobs"
@@ -402,35 +403,53 @@ class TextLogprobs:
         """`think`: the start and end marker ids; `state`: `reasoning_state` of the prompt."""
         self.start, self.end = think or (None, None)
         self.state = "thinking" if state == "thinking" else "before"
-        self.pending: deque[tuple[int, dict]] = deque()   # text tokens not yet covered: (length, entry)
-        self.room = 0                                # content handed out past the entries released
+        # Text not yet covered by the content handed out: (its length, its tokens' entries).
+        self.pending: deque[tuple[int, list[dict]]] = deque()
+        self.room = 0                 # content handed out past the entries released
+        self._begun: list[dict] = []  # tokens of a character not yet complete
+        self._utf8 = utf8_reader()
 
-    def add(self, tokens: list[tuple[int, str, dict]]) -> None:
-        """New tokens, each as (id, text, logprob entry)."""
-        for t, piece, entry in tokens:
+    def texts(self, tokens: list[tuple[int, bytes, dict]]):
+        """(id, the text it completes, entry) for each of (id, its bytes, entry): a
+        character split across tokens is the text of the one that completes it."""
+        for t, raw, entry in tokens:
+            yield t, self._utf8(raw), entry
+
+    def add(self, tokens: list[tuple[int, bytes, dict]]) -> None:
+        """New tokens, each as (id, its bytes, logprob entry) (`LogprobFormat.with_bytes`)."""
+        for t, piece, entry in self.texts(tokens):
             if self.state == "thinking":
                 if t == self.end:
                     self.state = "after"
             elif self.state == "before" and t == self.start:
                 self.state = "thinking"
             else:
-                self.pending.append((len(piece), entry))
+                self.text_token(piece, entry)
+
+    def text_token(self, text: str, entry: dict) -> None:
+        """A token of the output text, held until the content covers what it wrote; one
+        that begins a character goes out with the token that completes it."""
+        self._begun.append(entry)
+        if text:
+            self.pending.append((len(text), self._begun))
+            self._begun = []
 
     def release(self, content: str) -> list[dict]:
         """The entries of the text tokens that content handed out so far covers."""
         self.room += len(content)
         out = []
         while self.pending and self.pending[0][0] <= self.room:
-            n, entry = self.pending.popleft()
+            n, entries = self.pending.popleft()
             self.room -= n
-            out.append(entry)
+            out += entries
         return out
 
     def rest(self, called: bool) -> list[dict]:
         """At the end: the entries still held (an end-of-sequence token's, say), unless a
         tool call followed the text, whose markup they are."""
-        out = [] if called else [entry for _, entry in self.pending]
+        out = [] if called else [e for _, entries in self.pending for e in entries] + self._begun
         self.pending.clear()
+        self._begun = []
         return out
 
 

@@ -15,6 +15,7 @@ import pytest
 from deployments.protocol import ChatCompletionRequest, ResponseFormat, chat_prompt_ids
 from deployments.reasoning import ReasoningSplit
 from deployments.chat_output import ChoiceParser, joined_pieces
+from deployments.logprobs import TokenText
 from deployments.tools import ToolOutput, auto_constraint, constraint
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime.models.loader import load_tokenizer
@@ -533,16 +534,17 @@ def test_harmony_output_text_logprobs_are_the_contents_tokens(harmony_model, tex
     from deployments.harmony import HarmonyParser, HarmonyTextLogprobs, harmony_markers
 
     tok = load_tokenizer(harmony_model)
-    tokens = [(t, tok.decode([t]), {"token": tok.decode([t]), "i": i})
+    text_of = TokenText(tok)
+    tokens = [(t, text_of.bytes_of(t), {"token": tok.decode([t]), "i": i})
               for i, t in enumerate(tok.encode(text, add_special_tokens=False))]
-    assert "".join(piece for _, piece, _ in tokens) == text
+    assert b"".join(raw for _, raw, _ in tokens).decode() == text
     for seed in range(10):
         rng, parser, lps = random.Random(seed), HarmonyParser(calls), HarmonyTextLogprobs(harmony_markers(tok), calls)
         got, i = [], 0
         while i < len(tokens):
             n = rng.randint(1, 4)
             lps.add(tokens[i:i + n])
-            delta, _ = parser.feed("".join(piece for _, piece, _ in tokens[i:i + n]),
+            delta, _ = parser.feed("".join(tok.decode([t]) for t, _, _ in tokens[i:i + n]),
                                    reason_in if i + n >= len(tokens) else None)
             got += lps.release(delta.get("content", ""))
             i += n

@@ -1545,6 +1545,33 @@ def test_responses_logprobs_are_the_chat_completions(server, client):
         assert text.startswith(r.output_text) and "</think>" not in text, (r.output, text)
 
 
+def test_logprobs_bytes_rebuild_characters_split_across_tokens(client):
+    """Each logprob entry's `bytes` are its token's own UTF-8 bytes, as OpenAI's are, so
+    joined they rebuild the text where a character spans several tokens (each decoded
+    alone is U+FFFD): in chat, whole and streamed, and in Responses' output_text, whose
+    every delta carries the entries of its own text."""
+    word = "café ☃ 世界"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say it."}], max_tokens=40, temperature=0,
+              logprobs=True, top_logprobs=1, extra_body={"structured_outputs": {"choice": [word]}})
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == word and any(t.token == "\ufffd" for t in content)
+    assert bytes(b for t in content for b in t.bytes).decode() == word
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+
+    schema = {"type": "object", "properties": {"w": {"enum": [word]}}, "required": ["w"],
+              "additionalProperties": False}
+    events = list(client.responses.create(model=MODEL, input="Say it.", temperature=0, max_output_tokens=60,
+                                          text={"format": {"type": "json_schema", "name": "w", "schema": schema}},
+                                          include=["message.output_text.logprobs"], stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert json.loads("".join(e.delta for e in deltas)) == {"w": word}
+    for e in deltas:
+        assert bytes(b for lp in e.logprobs for b in lp.bytes).decode() == e.delta
+
+
 def test_responses_structured_output_and_conversation_items(client):
     """`text.format` holds the text to a schema (the client's `responses.parse`), and a
     conversation handed back as items, the assistant's message among them, is the chat

@@ -464,11 +464,11 @@ def _tokens(pieces: list[str]) -> list[tuple[int, str, dict]]:
     """Tokens of these texts, the think markers and an end token by their own ids, each
     with an entry naming its position; the engine's text leaves the end token out."""
     ids = {"<think>": THINK, "</think>": UNTHINK, "<eos>": EOS}
-    return [(ids.get(p, 10 + i), p, {"token": p, "at": i}) for i, p in enumerate(pieces)]
+    return [(ids.get(p, 10 + i), p.encode(), {"token": p, "at": i}) for i, p in enumerate(pieces)]
 
 
 def _text_of(tokens) -> str:
-    return "".join(p for t, p, _ in tokens if t != EOS)
+    return b"".join(p for t, p, _ in tokens if t != EOS).decode()
 
 
 def _stream_with_logprobs(parser, tokens, state, cuts, finish):
