@@ -130,6 +130,10 @@ class OpenAIIngress:
         self.tokenizer.encode("warm-up")
         self.harmony = harmony_markers(self.tokenizer)   # their ids; None for other models
         self.lp = LogprobFormat(self.tokenizer)
+        # The token(s) that end a turn's reasoning, for its `reasoning_tokens`: a thinking
+        # model's end marker; a harmony turn's first message's end.
+        self.reasoning_end = list(self.tokenizer.think_end_tokens or ()) if self.tokenizer.has_thinking else \
+            [self.harmony["<|end|>"]] if self.harmony else None
         self._tokenize_pool = ThreadPoolExecutor(min(TOKENIZE_THREADS, os.cpu_count() or 1),
                                                  thread_name_prefix="tokenize")
         self.metrics = Metrics(self.model_name)
@@ -496,16 +500,24 @@ class OpenAIIngress:
 
     def _chat_completion(self, rid: str, created: int, parser, logprobs: bool, out) -> dict:
         """The whole `chat.completion` of a request's final output."""
-        choices = []
+        choices, reasoned = [], {}
         for o in out.outputs:
             message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
             if parser:
                 message, reason = parser().message(o.text, o.finish_reason)
+            reasoned[o.index] = "reasoning" in message
             choices.append({"index": o.index, "message": message,
                             "logprobs": self.lp.chat(o.logprobs) if logprobs else None,
                             "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": _Usage().add(out).body()}
+                "choices": choices, "usage": self._chat_usage(out, reasoned)}
+
+    def _chat_usage(self, out, reasoned: dict[int, bool]) -> dict:
+        """A chat completion's usage, with OpenAI's `reasoning_tokens`: each choice's
+        tokens up to its reasoning's end where it reasoned (`reasoned`, by index)."""
+        thought = sum(reasoning_tokens(o.token_ids, self.reasoning_end, reasoned.get(o.index, False))
+                      for o in out.outputs)
+        return _Usage().add(out, reasoning=thought).body()
 
     async def _keep_chat(self, body: ChatCompletionRequest, owner: str | None, completion: dict) -> None:
         """Store a chat completion made with `store: true`, with its metadata and the
@@ -683,7 +695,6 @@ class OpenAIIngress:
         parser = parser or ChoiceParser
         envelope = ResponseBody(body, self.model_name, stored=self.store is not None and body.stored)
         # Where the reasoning ends, for its usage; a harmony turn's: its first message's end.
-        end = markers[1] if markers else self.harmony["<|end|>"] if self.harmony else None
         text_lps = None
         if body.wants_logprobs:
             mode = chat.tool_mode()
@@ -691,10 +702,10 @@ class OpenAIIngress:
                 TextLogprobs(markers, reasoning_state(self.tokenizer, ids))
         keep = partial(self._keep, body, owner, own)
         if body.stream:
-            return _sse(self._response_events(envelope, parser(), first, gen, t0, end, text_lps, keep),
+            return _sse(self._response_events(envelope, parser(), first, gen, t0, text_lps, keep),
                         server_timing(request=t_sub - t0, first_token=time.monotonic() - t_sub,
                                       **engine_timing(first)), named=True)
-        whole = partial(self._whole_response, envelope, parser, first, gen, t0, end, text_lps)
+        whole = partial(self._whole_response, envelope, parser, first, gen, t0, text_lps)
         if body.background:
             running = envelope.body("in_progress", [])
             await keep(running)
@@ -706,14 +717,13 @@ class OpenAIIngress:
         await keep(response)
         return JSONResponse(response, headers=server_timing(request=t_sub - t0, generate=time.monotonic() - t_sub))
 
-    async def _whole_response(self, envelope, parser, first, gen, t0: float, end_marker: int | None,
-                              text_lps: TextLogprobs | None) -> dict:
+    async def _whole_response(self, envelope, parser, first, gen, t0: float, text_lps: TextLogprobs | None) -> dict:
         out = await self._drain(first, gen, t0)
         o = out.outputs[0]
         parts, _ = parser().parts(o.text, o.finish_reason)
         if text_lps is not None:
             text_lps.add(self.lp.with_bytes(o.token_ids, o.logprobs))
-        usage = self._response_usage(out, end_marker, any(kind == "reasoning" for kind, _ in parts))
+        usage = self._response_usage(out, any(kind == "reasoning" for kind, _ in parts))
         return whole_response(envelope, parts, o.finish_reason, usage, text_lps)
 
     async def _run_background(self, envelope, owner: str | None, keep, whole) -> None:
@@ -758,13 +768,13 @@ class OpenAIIngress:
                             param="include")
         return markers
 
-    def _response_usage(self, out, end_marker: int | None, reasoned: bool) -> dict:
+    def _response_usage(self, out, reasoned: bool) -> dict:
         u = _Usage().add(out)
-        thought = reasoning_tokens(out.outputs[0].token_ids, end_marker, reasoned)
+        thought = reasoning_tokens(out.outputs[0].token_ids, self.reasoning_end, reasoned)
         return response_usage(u.prompt, u.completion, u.cached, thought)
 
-    async def _response_events(self, envelope, parser, first, gen, t0: float, end_marker: int | None,
-                               text_lps: TextLogprobs | None, keep):
+    async def _response_events(self, envelope, parser, first, gen, t0: float, text_lps: TextLogprobs | None,
+                               keep):
         """The stream's events; `keep` stores the finished response before its last event
         goes out, so a client may continue it as soon as it has that event."""
         timer, stream = RequestTimer(self.metrics, t0), ResponseEvents(envelope, text_lps)
@@ -781,7 +791,7 @@ class OpenAIIngress:
                 for ev in stream.feed(parser.parts(o.delta_text, o.finish_reason)[0]):
                     yield ev
         self._finish(timer, last)
-        usage = self._response_usage(last, end_marker, stream.reasoned)
+        usage = self._response_usage(last, stream.reasoned)
         closing = stream.closing(last.outputs[0].finish_reason, usage)
         await keep(closing[-1]["response"])
         for ev in closing:
@@ -815,20 +825,23 @@ class OpenAIIngress:
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(body.n)]
         parsers = [parser() for _ in range(body.n)] if parser else None
+        reasoned = {}
 
         def choice(o):
             delta, reason = {"content": o.delta_text} if o.delta_text or o.delta_token_ids else {}, o.finish_reason
             if parsers:
                 delta, reason = parsers[o.index].feed(o.delta_text, reason)
+                reasoned[o.index] = reasoned.get(o.index, False) or "reasoning" in delta
             return {"index": o.index, "delta": delta,
                     "logprobs": self.lp.chat(o.delta_logprobs) if body.logprobs else None,
                     "finish_reason": reason}
 
         on_last = None if keep is None else (lambda last: keep(whole(last)))
-        return self._events(first, gen, body, base, opening, choice, t0, num_prompt, on_last)
+        return self._events(first, gen, body, base, opening, choice, t0, num_prompt, on_last,
+                            lambda last: self._chat_usage(last, reasoned))
 
     async def _events(self, first, gen, body, base: dict, opening: list[dict], choice, t0: float,
-                      num_prompt: int, on_last=None):
+                      num_prompt: int, on_last=None, usage=None):
         """The SSE chunks of either endpoint: the `opening` choices, then one chunk per
         completion with something new (`choice` shapes it), then usage if asked for,
         and with `continuous_usage_stats` the usage so far in every chunk. `t0`: when
@@ -859,7 +872,7 @@ class OpenAIIngress:
         if on_last is not None and last is not None:
             await on_last(last)
         if opts and opts.include_usage:
-            yield {**base, "choices": [], "usage": _Usage().add(last).body()}
+            yield {**base, "choices": [], "usage": usage(last) if usage else _Usage().add(last).body()}
 
     async def _drain(self, first, gen, t0: float):
         """Collect a non-streamed request; returns its final output."""
@@ -907,22 +920,29 @@ def _joined(a: dict, b: dict) -> dict:
 class _Usage:
     def __init__(self):
         self.prompt = self.completion = self.cached = 0
+        self.reasoning: int | None = None
 
-    def add(self, out, completion: bool = True):
-        """`completion` False: the tokens made are not handed out (an echo-only request)."""
+    def add(self, out, completion: bool = True, reasoning: int | None = None):
+        """`completion` False: the tokens made are not handed out (an echo-only request);
+        `reasoning`: the reasoning tokens among them (chat's), else left out."""
         if out is not None:
             self.prompt += len(out.prompt_token_ids)
             self.completion += sum(len(o.token_ids) for o in out.outputs) if completion else 0
             self.cached += out.num_cached_tokens
+        if reasoning is not None:
+            self.reasoning = (self.reasoning or 0) + reasoning
         return self
 
     def body(self) -> dict:
-        return usage_body(self.prompt, self.completion, self.cached)
+        return usage_body(self.prompt, self.completion, self.cached, self.reasoning)
 
 
-def usage_body(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+def usage_body(prompt: int, completion: int, cached: int, reasoning: int | None = None) -> dict:
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return body
 
 
 def engine_timing(out) -> dict[str, float]:

@@ -353,13 +353,15 @@ def usage(prompt: int, output: int, cached: int, reasoning: int) -> dict:
             "total_tokens": prompt + output}
 
 
-def reasoning_tokens(token_ids: list[int], end_marker: int | None, reasoned: bool) -> int:
-    """The output tokens up to and including the one that ends the reasoning (all of
-    them if it never ended); 0 for an answer without reasoning."""
+def reasoning_tokens(token_ids: list[int], end: list[int] | None, reasoned: bool) -> int:
+    """The output tokens up to and including the first `end` (the token or tokens that
+    end the reasoning; all of them if it never ended); 0 for an answer without reasoning."""
     if not reasoned:
         return 0
-    if end_marker is not None and end_marker in token_ids:
-        return token_ids.index(end_marker) + 1
+    n = len(end or ())
+    for i in range(len(token_ids) - n + 1 if n else 0):
+        if token_ids[i:i + n] == end:
+            return i + n
     return len(token_ids)
 
 

@@ -740,6 +740,39 @@ def test_reasoning_comes_apart_from_content(server):
     assert "<think>\n\n</think>" in text
 
 
+def test_chat_usage_counts_reasoning_tokens(server):
+    """Chat's usage has OpenAI's `completion_tokens_details.reasoning_tokens`: a thinking
+    model's tokens up to its end marker, whole and in a stream's usage chunk; a harmony
+    turn's up to its first message's end; 0 for an answer without reasoning."""
+    def count(url, text):
+        return httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text,
+                                                   "add_special_tokens": False}).json()["count"]
+
+    def usages(url, grammar, **kw):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=100,
+                  extra_body={"structured_outputs": {"grammar": grammar}}, **kw)
+        whole = client.chat.completions.create(**kw).usage
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        return whole, chunks[-1].usage
+
+    url = server.urls["formats"]
+    for usage in usages(url, 'start: <think> "Let me see." </think> "Yes."'):
+        assert usage.completion_tokens_details.reasoning_tokens == count(url, "<think>Let me see.</think>")
+        assert usage.completion_tokens == count(url, "<think>Let me see.</think>Yes.")
+    for usage in usages(url, 'start: "Plain."'):
+        assert usage.completion_tokens_details.reasoning_tokens == 0
+    url = server.urls["harmony"]
+    names = ("channel", "message", "end")
+    ids = httpx.post(url + "/tokenize", json={"model": MODEL, "add_special_tokens": False,
+                                              "prompt": "".join(f"<|{n}|>" for n in names)}).json()["tokens"]
+    m = {n: f"<[{i}]>" for n, i in zip(names, ids)}
+    turn = " ".join([m["channel"], '"analysis"', m["message"], '"Weather asked."', m["end"]])
+    for usage in usages(url, f'start: {turn} "x"'):
+        assert usage.completion_tokens_details.reasoning_tokens == count(url, "<|channel|>analysis<|message|>"
+                                                                              "Weather asked.<|end|>")
+
+
 def test_echo_with_logprobs_scores_the_prompt(client, engine):
     """`echo` with `logprobs` gives each prompt token's logprob (the first has none), as
     the engine's `prompt_logprobs`; `max_tokens: 0` scores the prompt alone (what

@@ -173,9 +173,11 @@ def test_text_before_the_reasoning_keeps_its_place():
 
 
 def test_reasoning_tokens_count_up_to_the_end_marker():
-    assert reasoning_tokens([5, 6, 99, 7], 99, True) == 3
-    assert reasoning_tokens([5, 6, 7], 99, True) == 3
-    assert reasoning_tokens([5, 6, 7], 99, False) == 0
+    assert reasoning_tokens([5, 6, 99, 7], [99], True) == 3
+    assert reasoning_tokens([5, 6, 7], [99], True) == 3
+    assert reasoning_tokens([5, 6, 7], [99], False) == 0
+    assert reasoning_tokens([5, 98, 6, 98, 99, 7], [98, 99], True) == 5   # an end marker of two tokens
+    assert reasoning_tokens([5, 6], None, True) == 2
 
 
 def test_a_whole_response_repeats_the_request():
