@@ -35,9 +35,10 @@ def vocabulary_kind(tokenizer) -> str:
     """How the tokenizer's vocabulary writes bytes, from its decoder: "byte-level",
     "sentencepiece" or "text" (tokens are text; a token alone decodes whole)."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if decoder is None:
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:   # no decoder, or one defined in Python: read tokens as text
         return "text"
-    spec = json.loads(decoder.__getstate__())
     parts = [spec, *spec.get("decoders", [])]
     kinds = {p.get("type") for p in parts}
     if "ByteLevel" in kinds:
