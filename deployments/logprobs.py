@@ -1,6 +1,6 @@
 """Token logprobs as OpenAI's APIs write them: chat's `content` entries (each token's
 text, logprob, bytes and alternatives), the legacy completions API's `tokens`,
-`token_logprobs`, `top_logprobs` and `text_offset`.
+`token_logprobs`, `top_logprobs` (keyed by token text) and `text_offset`.
 
 A token's `bytes` are what it adds to the text's UTF-8, read from the tokenizer's
 vocabulary (byte-level BPE, or SentencePiece with byte fallback). They are what a client
@@ -121,7 +121,7 @@ class LogprobFormat:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         read = utf8_reader()
         for tok, lp in tokens:
-            out["tokens"].append(self.text.piece(tok))
+            out["tokens"].append(self._legacy_token(tok))
             out["token_logprobs"].append(None if lp is None else lp.logprob)
             out["top_logprobs"].append(None if lp is None else self._top_with_sampled(lp))
             out["text_offset"].append(offset)
@@ -131,6 +131,17 @@ class LogprobFormat:
     def _top_with_sampled(self, lp) -> dict[str, float]:
         """The legacy completions API's alternatives: the `logprobs` likeliest tokens and
         the sampled one, which OpenAI always includes (up to `logprobs` + 1 entries)."""
-        top = {self.text.piece(t): v for t, v in lp.top}
-        top.setdefault(self.text.piece(lp.token_id), lp.logprob)
+        top = {self._legacy_token(t): v for t, v in lp.top}
+        top.setdefault(self._legacy_token(lp.token_id), lp.logprob)
         return top
+
+    def _legacy_token(self, token_id: int) -> str:
+        """A token's text in the legacy API, which has no `bytes`: a token that holds part
+        of a character is written as its bytes, `bytes:\\xe2\\x98`, as OpenAI writes it,
+        so that two such tokens among the alternatives stay two keys."""
+        raw = self.text.bytes_of(token_id)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.text.piece(token_id)

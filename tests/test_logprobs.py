@@ -60,6 +60,13 @@ def test_legacy_offsets_move_on_at_the_token_that_completes_a_character(default_
     for t in ids:   # where the text stands after each token, decoded as it comes
         ends.append(3 + len(tok.decode(ids[:len(ends)]).rstrip("\ufffd")))
     assert out["text_offset"] == ends[:-1] and ends[-1] == 3 + len(TEXT)
+    # Tokens holding part of a character are written as their bytes, so that two of them
+    # among a position's alternatives stay two keys.
+    partial = [t for t in ids if fmt.text.piece(t) == "\ufffd"]
+    assert [name for t, name in zip(ids, out["tokens"]) if t in partial] == \
+        ["bytes:" + "".join(f"\\x{b:02x}" for b in fmt.text.bytes_of(t)) for t in partial]
+    top = fmt.completion([Lp(partial[0], top=[(partial[1], -1.0), (partial[2], -2.0)])])["top_logprobs"][0]
+    assert len(top) == 3 and all(k.startswith("bytes:\\x") for k in top)
     entries = fmt.chat([Lp(t, top=[(t, -0.5)]) for t in ids])["content"]
     assert bytes(b for e in entries for b in e["bytes"]).decode() == TEXT
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in entries)
