@@ -388,10 +388,14 @@ class OpenAIIngress:
     async def model(self, model: str) -> dict:
         """One model's card (`GET /v1/models/{model}`, the id percent-decoded), with vLLM's
         `root` and `max_model_len` (clients size their context by it); 404 for a model
-        this server does not serve."""
+        this server does not serve. `root` names a hub repo by its id and a local
+        directory by its name: where the server keeps its files is not the clients'."""
         self._check_model(model)
+        root = self.s["model"]
+        if os.path.isabs(root):
+            root = os.path.basename(root.rstrip(os.sep))
         return {"id": self.model_name, "object": "model", "created": self.s["created"],
-                "owned_by": "mlx-paged-serve", "root": self.s["model"],
+                "owned_by": "mlx-paged-serve", "root": root,
                 "max_model_len": (await self.info())["max_model_len"]}
 
     # -- /tokenize, /detokenize (vLLM's) --------------------------------------------------

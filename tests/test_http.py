@@ -87,6 +87,7 @@ def test_models_list_and_retrieve(client, engine):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == engine.max_model_len   # vLLM's field: the context a client may use
+    assert models[0].root == "default" and "/" not in models[0].root   # the directory's name, not its path
     assert client.models.retrieve(MODEL).model_dump() == models[0].model_dump()
     for other in ("gpt-4o", "mlx-community/Llama-3.2-1B-Instruct-4bit"):   # the client escapes the '/'
         with pytest.raises(openai.NotFoundError) as e:
