@@ -133,11 +133,12 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids or [])
         self.max_model_len = config.max_model_len or max_context(self.model_config)
 
-        num_layers, kv_heads, head_dim = kv_geometry(self.model)
+        _, kv_heads, head_dim = kv_geometry(self.model)
         dtype = getattr(mx, config.kv_cache_dtype) if config.kv_cache_dtype else activation_dtype(self.model)
-        self.num_blocks, window = self._kv_layout(num_layers, kv_heads, head_dim, dtype)
+        windows = layer_windows(self.model)
+        self.num_blocks, window = self._kv_layout(windows, kv_heads, head_dim, dtype)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, window)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, dtype,
+        self.runner = ModelRunner(self.model, windows, self.num_blocks, config.block_size, dtype,
                                   config.attention_backend, config.compile_decode,
                                   config.graph_prefill_tokens, config.prefill_kernel, window)
         self.runner.verify()
@@ -186,14 +187,15 @@ class LLMEngine:
         c = self.config
         return c.kv_cache_memory_bytes or int(device_memory_bytes() * c.kv_cache_memory_fraction)
 
-    def _kv_layout(self, num_layers: int, kv_heads: int, head_dim: int,
+    def _kv_layout(self, per_layer: list[int | None], kv_heads: int, head_dim: int,
                    dtype: mx.Dtype) -> tuple[int, WindowSlots | None]:
         """The main pool's blocks and, for a model with both sliding-window and
         full-attention layers (`window_pool`), its sliding layers' window slots; one
         pool of every layer where the budget cannot hold a window pool beside it."""
         c = self.config
         geometry = (kv_heads, head_dim, dtype.size, c.block_size)
-        windows = [w for w in layer_windows(self.model) if w is not None]
+        num_layers = len(per_layer)
+        windows = [w for w in per_layer if w is not None]
         if c.window_pool and 0 < len(windows) < num_layers:
             per_block = kv_bytes_per_block(num_layers - len(windows), *geometry)
             per_slot = kv_bytes_per_block(len(windows), *geometry)

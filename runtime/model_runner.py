@@ -21,7 +21,7 @@ from .decode_graph import DecodeGraph
 from .errors import UnsupportedModelError
 from .kv.paged_cache import KVPool, PagedLayerCache, SampledRows, StepContext
 from .kv.window_slots import WindowSlots
-from .models.loader import has_attention_sinks, kv_geometry, layer_windows
+from .models.loader import has_attention_sinks, kv_geometry
 from .outputs import Logprob
 from .sampling import SampleResult, sample, token_logprobs
 from .scheduler import ScheduledSeq
@@ -77,17 +77,17 @@ class PendingStep:
 
 
 class ModelRunner:
-    """`window`: where sliding-window layers keep their K/V in a pool of window slots of
-    their own (`WindowSlots`); None keeps every layer's in the main pool."""
+    """`windows`: each layer's attention window (`layer_windows`), None for full
+    attention; `window`: where sliding-window layers keep their K/V in a pool of window
+    slots of their own (`WindowSlots`); None keeps every layer's in the main pool."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: mx.Dtype,
+    def __init__(self, model, windows: list[int | None], num_blocks: int, block_size: int, dtype: mx.Dtype,
                  attention_backend: str = "gather", compile_decode: bool | None = False,
                  graph_prefill_tokens: int = 0, prefill_kernel: bool = True,
                  window: WindowSlots | None = None):
         self.model = model
         self.block_size = block_size
         num_layers, kv_heads, head_dim = kv_geometry(model)
-        windows = layer_windows(model)
         self.window = window
         # Each layer's pool and its index there.
         apart = [window is not None and w is not None for w in windows]
