@@ -749,10 +749,10 @@ def test_chat_usage_counts_reasoning_tokens(server):
         return httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text,
                                                    "add_special_tokens": False}).json()["count"]
 
-    def usages(url, grammar, **kw):
+    def usages(url, grammar):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=100,
-                  extra_body={"structured_outputs": {"grammar": grammar}}, **kw)
+                  extra_body={"structured_outputs": {"grammar": grammar}})
         whole = client.chat.completions.create(**kw).usage
         chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
         return whole, chunks[-1].usage
