@@ -457,7 +457,7 @@ class OpenAIIngress:
                 if o.logprobs is not None:
                     lps = self.lp.completion([] if echo_only else o.logprobs, len(prefix))
                     if body.echo:
-                        lps = _joined(self.lp.prompt(out.prompt_logprobs, ids), lps)
+                        lps = _joined(self.lp.prompt(out.prompt_logprobs, ids, prefix), lps)
                 choices.append({"index": j * body.n + o.index, "text": prefix + ("" if echo_only else o.text),
                                 "logprobs": lps, "finish_reason": "length" if echo_only else o.finish_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
@@ -468,7 +468,7 @@ class OpenAIIngress:
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         prompt_lps = None
         if echo and body.logprobs is not None:
-            prompt_lps = self.lp.prompt(first.prompt_logprobs, prompt_ids)
+            prompt_lps = self.lp.prompt(first.prompt_logprobs, prompt_ids, echo)
         opening = [{"index": i, "text": echo, "logprobs": prompt_lps, "finish_reason": None}
                    for i in range(body.n)] if echo else []
         offsets = [len(echo or "")] * body.n

@@ -56,6 +56,7 @@ class TokenText:
         self.tokenizer = tokenizer
         self.kind = vocabulary_kind(tokenizer)
         self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+        self.special = set(getattr(tokenizer, "all_special_ids", None) or ())
         self.piece = lru_cache(maxsize=65536)(self._piece)
         self.bytes_of = lru_cache(maxsize=65536)(self._bytes_of)
 
@@ -110,14 +111,17 @@ class LogprobFormat:
             return None
         return self.legacy([(lp.token_id, lp) for lp in lps], offset)
 
-    def prompt(self, entries, prompt_ids: list[int]) -> dict:
-        """The echoed prompt's part of completions logprobs: the first token has none."""
-        return self.legacy(list(zip(prompt_ids, entries or [])), 0)
+    def prompt(self, entries, prompt_ids: list[int], shown: str) -> dict:
+        """The echoed prompt's part of completions logprobs (the first token has none),
+        its offsets into `shown`, the prompt as echoed."""
+        return self.legacy(list(zip(prompt_ids, entries or [])), 0, shown)
 
-    def legacy(self, tokens: list[tuple[int, object]], offset: int) -> dict:
+    def legacy(self, tokens: list[tuple[int, object]], offset: int, shown: str | None = None) -> dict:
         """`tokens`: (id, its `Logprob`, or None where it has none) in text order. A token's
         `text_offset` is where the text stood when it came: a character split across
-        tokens moves it on at the token that completes it."""
+        tokens moves it on at the token that completes it. Where `shown` is the text, a
+        special token it does not show (a BOS the tokenizer added) takes no room in it,
+        nor does the space SentencePiece writes before a first word."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         read = utf8_reader()
         for tok, lp in tokens:
@@ -125,7 +129,13 @@ class LogprobFormat:
             out["token_logprobs"].append(None if lp is None else lp.logprob)
             out["top_logprobs"].append(None if lp is None else self._top_with_sampled(lp))
             out["text_offset"].append(offset)
-            offset += len(read(self.text.bytes_of(tok)))
+            text = read(self.text.bytes_of(tok))
+            if shown is not None and not shown.startswith(text, offset):
+                if tok in self.text.special:
+                    text = ""
+                elif text[:1] == " " and shown.startswith(text[1:], offset):
+                    text = text[1:]
+            offset += len(text)
         return out
 
     def _top_with_sampled(self, lp) -> dict[str, float]:

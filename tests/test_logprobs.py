@@ -72,6 +72,22 @@ def test_legacy_offsets_move_on_at_the_token_that_completes_a_character(default_
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in entries)
 
 
+def test_echoed_prompt_offsets_point_into_the_prompt_as_echoed():
+    """An echoed prompt's offsets index the prompt string the client sent: the BOS the
+    tokenizer added takes no room in it, nor the space SentencePiece writes before the
+    first word, and a split character moves them on at the token that completes it."""
+    from tokenizers import processors
+
+    tok = _sentencepiece_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    prompt = "hello héllo"
+    ids = tok.encode(prompt)
+    assert tok.convert_ids_to_tokens(ids) == ["<s>", "▁h", "<0x65>", "llo", "▁h", "<0xC3>", "<0xA9>", "llo"]
+    out = LogprobFormat(tok).prompt([None] + [Lp(t) for t in ids[1:]], ids, prompt)
+    assert out["text_offset"] == [0, 0, 1, 2, 5, 7, 7, 8]
+    assert out["token_logprobs"][0] is None and out["tokens"][:2] == ["<s>", "h"]
+
+
 def test_output_text_entries_go_out_with_the_characters_they_wrote(default_model):
     """Responses' output_text logprobs: a delta's entries are the tokens of its own text,
     where a character's bytes span several tokens too."""
