@@ -9,7 +9,6 @@ its end this step. The last layer attends only for them too (`SampledRows`).
 
 import logging
 from dataclasses import dataclass, field
-from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -144,6 +143,12 @@ class ModelRunner:
         """(context, pool, slots) of the layers in the window pool, or None."""
         return None if self.window is None else (self.wctx, self.window_pool, self.window)
 
+    def _window_tables(self) -> dict:
+        """`build_metadata`'s arguments for the window pool's tables, if there is one."""
+        if self.window is None:
+            return {}
+        return {"slot_of": self.window.slot_of, "window_scratch_slot": self.window_pool.scratch_slot}
+
     def pools(self) -> list[KVPool]:
         return [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
 
@@ -205,11 +210,10 @@ class ModelRunner:
         pad = padded_rows(t) - t if self.pad_rows else 0
         if pad:
             inputs = mx.concatenate([inputs, mx.zeros((pad,), dtype=inputs.dtype)])
-        meta = partial(build_metadata, tables, starts, lengths, self.block_size,
-                       split_decodes=not self.padding_free, plan_per_shape=self.plan_per_shape, pad_rows=pad)
-        self.ctx.meta = meta(scratch_slot=self.pool.scratch_slot)
-        if self.window is not None:
-            self.wctx.meta = meta(scratch_slot=self.window_pool.scratch_slot, slot_of=self.window.slot_of)
+        self.ctx.meta = build_metadata(tables, starts, lengths, self.block_size, split_decodes=not self.padding_free,
+                                       plan_per_shape=self.plan_per_shape, pad_rows=pad,
+                                       scratch_slot=self.pool.scratch_slot, **self._window_tables())
+        self.wctx.meta = self.ctx.meta.window
         # The last layer attends for the sampling rows alone, unless prompt rows are
         # wanted too: then it runs for all, as a plain prefill does.
         if rows and len(rows) < t and not prompt_spans:
@@ -240,11 +244,11 @@ class ModelRunner:
         queries over their whole contexts, longest context first (the order
         `build_metadata` groups by)."""
         order = sorted(range(len(rows)), key=lambda i: -ends[i][0])
+        windowed = self.last_ctx is self.wctx
         meta = build_metadata([ends[i][1] for i in order], [ends[i][0] - 1 for i in order],
                               [1] * len(rows), self.block_size, split_decodes=not self.padding_free,
-                              plan_per_shape=self.plan_per_shape,
-                              slot_of=self.window.slot_of if self.last_ctx is self.wctx else None)
-        return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta)
+                              plan_per_shape=self.plan_per_shape, **(self._window_tables() if windowed else {}))
+        return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta.window if windowed else meta)
 
     def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None,
               defer_sampling: bool = False) -> "PendingStep":

@@ -15,7 +15,7 @@ layer.
 """
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -171,6 +171,9 @@ class AttentionMetadata:
     groups: list[GroupMetadata]
     block_size: int
     pad_rows: int = 0            # the last rows of T pad the batch: in no group, attended to zero
+    # The same step for layers whose K/V live in window slots (`build_metadata(slot_of=)`):
+    # its tables and KV slots are these mapped through `slot_of`, the rest is shared.
+    window: "AttentionMetadata | None" = None
 
 
 def query_class(num_tokens: int) -> int:
@@ -304,30 +307,46 @@ def make_group(blocks, widths, starts, lengths, ctx, row0, block_size,
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
                    block_size: int, split_decodes: bool = True,
                    plan_per_shape: bool = False, unfused_max_queries: int | None = None,
-                   pad_steps: int | None = None, pad_rows: int = 0,
-                   scratch_slot: int = 0, slot_of: np.ndarray | None = None) -> AttentionMetadata:
+                   pad_steps: int | None = None, pad_rows: int = 0, scratch_slot: int = 0,
+                   slot_of: np.ndarray | None = None, window_scratch_slot: int = 0) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `plan_per_shape`
     pads long prefill groups to a few shapes an octave and attends short ones unfused
     (see `make_group`). `pad_rows` rows after the sequences' pad the batch: they sit at
     position 0 and write their K/V to `scratch_slot`. `slot_of`: the block ids' window
-    slots (`WindowSlots.slot_of`), for layers whose K/V live there. Vectorized over
-    tokens: the per-sequence Python work is flattening the block tables, once."""
+    slots (`WindowSlots.slot_of`): the result's `window` is then the step for layers
+    whose K/V live there (pad rows write to `window_scratch_slot`), its groups the same
+    but for their tables. Vectorized over tokens: the per-sequence Python work is
+    flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
     row_of = np.concatenate([[0], np.cumsum(lens)])
     seq_of_row = np.repeat(np.arange(len(lens)), lens)
     positions = (np.arange(row_of[-1]) - row_of[:-1][seq_of_row] + np.asarray(starts)[seq_of_row])
     flat, widths = flatten(block_tables)
-    if slot_of is not None:
-        flat = slot_of[flat].astype(np.int64)
     table_at = np.concatenate([[0], np.cumsum(widths)])
-    slots = flat[table_at[:-1][seq_of_row] + positions // block_size] * block_size + positions % block_size
+    block_of_row = table_at[:-1][seq_of_row] + positions // block_size
+    bounds = _group_bounds(lengths, ctx, split_decodes)
     groups = [make_group(flat[table_at[a]:table_at[b]], widths[a:b], starts[a:b], lengths[a:b], ctx[a:b],
                          int(row_of[a]), block_size, plan_per_shape, unfused_max_queries, pad_steps)
-              for a, b in _group_bounds(lengths, ctx, split_decodes)]
-    positions, slots = positions.astype(np.int32), slots.astype(np.int32)
-    if pad_rows:
-        positions = np.concatenate([positions, np.zeros(pad_rows, np.int32)])
-        slots = np.concatenate([slots, np.full(pad_rows, scratch_slot, np.int32)])
-    return AttentionMetadata(mx.array(positions), mx.array(slots), groups, block_size, pad_rows)
+              for a, b in bounds]
+    positions = _padded(positions.astype(np.int32), pad_rows, 0)
+    positions_m = mx.array(positions)
+
+    def step(blocks: np.ndarray, groups_: list[GroupMetadata], scratch: int) -> AttentionMetadata:
+        slots = (blocks[block_of_row] * block_size + positions[:len(block_of_row)] % block_size).astype(np.int32)
+        return AttentionMetadata(positions_m, mx.array(_padded(slots, pad_rows, scratch)), groups_, block_size,
+                                 pad_rows)
+
+    meta = step(flat, groups, scratch_slot)
+    if slot_of is not None:
+        mapped = slot_of[flat].astype(np.int64)
+        meta.window = step(mapped, [
+            replace(g, block_tables=mx.array(padded_tables(mapped[table_at[a]:table_at[b]], widths[a:b],
+                                                           *g.block_tables.shape)))
+            for g, (a, b) in zip(groups, bounds)], window_scratch_slot)
+    return meta
+
+
+def _padded(a: np.ndarray, pad: int, value: int) -> np.ndarray:
+    return np.concatenate([a, np.full(pad, value, a.dtype)]) if pad else a
