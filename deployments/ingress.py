@@ -51,7 +51,7 @@ log = logging.getLogger("ray.serve")
 # milliseconds to tokenize, and on the loop that time held up every other request's
 # arrival, body and stream chunks: on the H200, prefix hits (waves of eight 2k-token
 # prompts) spent 27.5 ms p50 from arrival to reaching the engine, mostly waiting for
-# each other's tokenizing, and 13.7 ms with it on threads (bench/results/README.md). The
+# each other's tokenizing, and 13.7 ms with it on threads (bench/results/history.md). The
 # Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel.
 # Prompts shorter than the app's `tokenize_inline_chars` cost less than the hop to a
 # thread and back.

@@ -42,7 +42,7 @@ def pin_current_thread(cpus: set[int]) -> bool:
     replica), never Ray's own threads (gRPC, event loops): they stay free to run on any
     core, and pinning them beside the engine starved the engine of requests. Where
     engines fill every core, Serve's nice-15 actors wait for CPU, and so do new requests
-    (the cluster section of bench/results/README.md measures both sides)."""
+    (the cluster sections of bench/results/history.md measure both sides)."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     os.sched_setaffinity(0, cpus)
@@ -81,7 +81,7 @@ def engine_env(threads: int | None, pin_cpus: int | None) -> dict[str, str]:
     would inherit that from the replica. On the H200, one stream, `max_num_seqs` 256,
     the served engine decoded at 5.1 ms a token with it against 3.5 ms for the bare
     engine, and at 2.6 ms served with 16 (the engine process then runs 36 threads, not
-    6: a library in it sizes a pool by the variable; bench/results/README.md). The engine
+    6: a library in it sizes a pool by the variable; bench/results/history.md). The engine
     owns its host's accelerator, so it gets the CPUs it may use: `threads` if given,
     else `pin_cpus` when pinned, else the host's count."""
     return {"OMP_NUM_THREADS": str(threads or pin_cpus or os.cpu_count() or 1)}
