@@ -3,7 +3,8 @@
 Text is decoded over a sliding window of tokens and released only when it does not
 end in U+FFFD, so a multi-byte character split across tokens is never emitted broken.
 A stop string may straddle tokens: text that could still be the start of one is held
-back until the next token settles it. The stop string itself is not returned.
+back until the next token settles it. The stop string itself is not returned. A sequence
+that ends inside a character ends its text with U+FFFD, as decoding its tokens whole does.
 """
 
 
@@ -30,9 +31,18 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self._ids.append(token_id)
+        self._settle(find_stops, final=False)
+
+    def finish(self, find_stops: bool = True) -> None:
+        """The sequence ended: tokens that began a character no later token completed
+        write it as U+FFFD, instead of being dropped."""
+        if not self.stopped and self._read < len(self._ids):
+            self._settle(find_stops, final=True)
+
+    def _settle(self, find_stops: bool, final: bool) -> None:
         prefix_text = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
         new_text = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
             return
         delta = new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)

@@ -510,6 +510,7 @@ class LLMEngine:
             elif pos + 1 - seq.num_prompt_tokens >= p.max_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
         if reason:
+            detok.finish(pos - seq.num_prompt_tokens >= p.min_tokens)
             del seq.token_ids[pos + 1:]   # a token queued after this one is void
             self.scheduler.finish(seq, reason)
 

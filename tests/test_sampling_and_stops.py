@@ -155,3 +155,23 @@ def test_detokenizer_never_emits_broken_utf8(engine):
     pieces.append(d.take(final=True))
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+
+
+def test_text_ending_inside_a_character_is_the_tokens_decoded(engine):
+    """A sequence cut off by length between a character's bytes keeps them as U+FFFD,
+    as decoding its tokens whole writes them, streamed and whole; the detokenizer holds
+    such bytes back only while a later token may complete the character."""
+    tok = engine.tokenizer
+    begins = tok.encode("日本", add_special_tokens=False)[:2]   # bytes of one character, not all
+    assert tok.decode(begins[:1]).endswith("\ufffd")
+    for n in (1, 2, 5):
+        p = SamplingParams(temperature=0, max_tokens=n, logit_bias={t: 100 for t in begins})
+        engine.add_request(f"cut{n}", PROMPT, p)
+        streamed = ""
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                streamed += o.outputs[0].delta_text
+                last = o.outputs[0]
+        assert last.finish_reason == "length" and len(last.token_ids) == n
+        assert last.text == tok.decode(last.token_ids) == streamed
+        assert last.text.endswith("\ufffd")
