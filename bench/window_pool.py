@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_continuous_vs_static import RESULTS, run_meta, run_ours, write_result  # noqa: E402
@@ -89,7 +91,7 @@ def main(argv=None):
                                   heads=args.heads, kv_heads=args.kv_heads, context=4 * (args.prompt_len + args.gen_len),
                                   sliding_window=args.window, window_pattern=pattern, dtype=args.dtype, seed=1))
             head_dim = args.hidden // args.heads
-            per_token = 2 * args.layers * args.kv_heads * head_dim * (2 if args.dtype != "float32" else 4)
+            per_token = 2 * args.layers * args.kv_heads * head_dim * getattr(mx, args.dtype).size
             budget = int(args.contexts * (args.prompt_len + args.gen_len) * per_token)
             one, one_tokens = run_mode(path, args, budget, False, reqs)
             apart, apart_tokens = run_mode(path, args, budget, True, reqs)
