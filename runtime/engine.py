@@ -496,13 +496,14 @@ class LLMEngine:
             seq.logprobs.append(logprob)
         detok = req.detoks[seq.index]
         p = seq.params
+        past_min = pos - seq.num_prompt_tokens >= p.min_tokens   # stop strings count from here
         reason = None
         if token in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason = "stop"
         else:
-            detok.add(token, pos - seq.num_prompt_tokens >= p.min_tokens)
+            detok.add(token, past_min)
             if detok.stopped:
                 reason = "stop"
             elif seq.grammar is not None and not seq.grammar.consume(token):
@@ -510,7 +511,7 @@ class LLMEngine:
             elif pos + 1 - seq.num_prompt_tokens >= p.max_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
         if reason:
-            detok.finish(pos - seq.num_prompt_tokens >= p.min_tokens)
+            detok.finish(past_min)
             del seq.token_ids[pos + 1:]   # a token queued after this one is void
             self.scheduler.finish(seq, reason)
 
