@@ -244,11 +244,11 @@ class ModelRunner:
         queries over their whole contexts, longest context first (the order
         `build_metadata` groups by)."""
         order = sorted(range(len(rows)), key=lambda i: -ends[i][0])
-        windowed = self.last_ctx is self.wctx
+        window = self._window_tables() if self.last_ctx is self.wctx else {}
         meta = build_metadata([ends[i][1] for i in order], [ends[i][0] - 1 for i in order],
                               [1] * len(rows), self.block_size, split_decodes=not self.padding_free,
-                              plan_per_shape=self.plan_per_shape, **(self._window_tables() if windowed else {}))
-        return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta.window if windowed else meta)
+                              plan_per_shape=self.plan_per_shape, window_only=bool(window), **window)
+        return SampledRows(mx.array([rows[i] for i in order], dtype=mx.int32), meta)
 
     def build(self, scheduled: list[ScheduledSeq], prev: "PendingStep | None" = None,
               defer_sampling: bool = False) -> "PendingStep":

@@ -308,7 +308,8 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
                    block_size: int, split_decodes: bool = True,
                    plan_per_shape: bool = False, unfused_max_queries: int | None = None,
                    pad_steps: int | None = None, pad_rows: int = 0, scratch_slot: int = 0,
-                   slot_of: np.ndarray | None = None, window_scratch_slot: int = 0) -> AttentionMetadata:
+                   slot_of: np.ndarray | None = None, window_scratch_slot: int = 0,
+                   window_only: bool = False) -> AttentionMetadata:
     """Sequences must come in `sort_key` order. `split_decodes=False` keeps all
     one-token sequences in one group, for backends that do not pad; `plan_per_shape`
     pads long prefill groups to a few shapes an octave and attends short ones unfused
@@ -316,14 +317,17 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     position 0 and write their K/V to `scratch_slot`. `slot_of`: the block ids' window
     slots (`WindowSlots.slot_of`): the result's `window` is then the step for layers
     whose K/V live there (pad rows write to `window_scratch_slot`), its groups the same
-    but for their tables. Vectorized over tokens: the per-sequence Python work is
-    flattening the block tables, once."""
+    but for their tables; `window_only` returns that step alone, without building the
+    main one (the last layer's sampling rows, where that layer slides). Vectorized over
+    tokens: the per-sequence Python work is flattening the block tables, once."""
     lens = np.asarray(lengths, dtype=np.int64)
     ctx = np.asarray(starts, dtype=np.int64) + lens
     row_of = np.concatenate([[0], np.cumsum(lens)])
     seq_of_row = np.repeat(np.arange(len(lens)), lens)
     positions = (np.arange(row_of[-1]) - row_of[:-1][seq_of_row] + np.asarray(starts)[seq_of_row])
     flat, widths = flatten(block_tables)
+    if window_only:
+        flat, scratch_slot, slot_of = slot_of[flat].astype(np.int64), window_scratch_slot, None
     table_at = np.concatenate([[0], np.cumsum(widths)])
     block_of_row = table_at[:-1][seq_of_row] + positions // block_size
     bounds = _group_bounds(lengths, ctx, split_decodes)
