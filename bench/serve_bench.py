@@ -2,8 +2,10 @@
 and for our bare engine in-process, with the same workloads and the same clock.
 
 Arrivals are Poisson at `--request-rate` (requests/s; `inf` sends all at once, a
-burst), capped by `--max-concurrency` requests in flight. Every request streams, and
-its chunks are timed as they arrive. Definitions follow `vllm bench serve`:
+burst), or gamma-distributed with `--burstiness` other than 1 (below 1 burstier, above 1
+more even, as in `vllm bench serve`), capped by `--max-concurrency` requests in flight.
+Every request streams, and its chunks are timed as they arrive. Definitions follow
+`vllm bench serve`:
 
 - TTFT: request sent -> first chunk carrying output text.
 - TPOT: (E2E - TTFT) / (output tokens - 1), per request with more than one token.
@@ -378,16 +380,28 @@ def eos_logit_bias(tokenizer) -> dict:
 
 
 # -- the run -------------------------------------------------------------------------------
+def arrival_gaps(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Seconds between `n` + 1 arrivals at `request_rate` on average: gamma-distributed with
+    shape `burstiness` (`vllm bench serve`'s definition), so 1 is a Poisson process, below
+    1 burstier and above 1 more even; at rate `inf` all at once. Shape 1 draws what an
+    exponential draw gives, so Poisson runs repeat those of before the knob."""
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if request_rate == math.inf:
+        return np.zeros(n)
+    return np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), n)
+
+
 async def run(backend, requests: list[Request], request_rate: float = math.inf,
               max_concurrency: int | None = None, seed: int = 0, progress: bool = True,
-              slo: dict[str, float] | None = None, sampler=None) -> dict:
-    """Send `requests` with Poisson arrivals (or all at once) under a concurrency cap.
-    Multi-turn requests wait for their session's previous turn and carry its history.
-    `sampler`, if given, is called about twice a second during the run; what it returns
-    is kept in `samples` (memory telemetry)."""
+              slo: dict[str, float] | None = None, sampler=None, burstiness: float = 1.0) -> dict:
+    """Send `requests` arriving at `request_rate` (`arrival_gaps`; `inf`: all at once)
+    under a concurrency cap. Multi-turn requests wait for their session's previous turn
+    and carry its history. `sampler`, if given, is called about twice a second during
+    the run; what it returns is kept in `samples` (memory telemetry)."""
     from tqdm.asyncio import tqdm
 
-    rng = np.random.default_rng(seed)
+    gaps = arrival_gaps(max(len(requests) - 1, 0), request_rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     history: dict[int, list[dict]] = {}
     turn_done: dict[tuple[int, int], asyncio.Event] = {}
@@ -423,8 +437,8 @@ async def run(backend, requests: list[Request], request_rate: float = math.inf,
     tasks = []
     for i, req in enumerate(requests):
         tasks.append(asyncio.create_task(one(i, req)))
-        if request_rate != math.inf and i + 1 < len(requests):
-            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        if i < len(gaps) and gaps[i] > 0:
+            await asyncio.sleep(gaps[i])
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     client_cpu = time.process_time() - cpu0
@@ -434,7 +448,7 @@ async def run(backend, requests: list[Request], request_rate: float = math.inf,
     bar.close()
     out = summarize(results, duration, slo or {})
     out.update(request_rate=None if request_rate == math.inf else request_rate,
-               max_concurrency=max_concurrency, num_requests=len(requests),
+               burstiness=burstiness, max_concurrency=max_concurrency, num_requests=len(requests),
                client_cpu_frac=client_cpu / duration if duration else None)
     if sampler:
         out["samples"] = samples
@@ -454,7 +468,9 @@ def build_workload(args, tokenizer) -> list[Request]:
 def print_summary(name: str, s: dict) -> None:
     ms = lambda d, k: f"{d[k] * 1e3:9.1f}" if d[k] is not None else "      n/a"  # noqa: E731
     print(f"\n==== {name} ====")
-    print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
+    rate = s.get("request_rate")
+    arrivals = "a burst" if rate is None else f"{rate:g} req/s, burstiness {s.get('burstiness', 1.0):g}"
+    print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s  arrivals {arrivals}")
     print(f"request throughput {s['request_throughput']:.2f} req/s   output {s['output_throughput']:.1f} tok/s"
           f"   total {s['total_token_throughput']:.1f} tok/s")
     if s["goodput"] is not None:
@@ -506,6 +522,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default=None, help="tokenizer path for building prompts (default: --model)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--request-rate", type=float, default=math.inf)
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="arrivals' gamma shape: 1 Poisson, below 1 burstier, above 1 more even")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--goodput", nargs="*", default=[], metavar="SLO:MS")
     ap.add_argument("--keep-eos", action="store_true", help="let requests stop at EOS")
@@ -515,6 +533,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON file (default: print only)")
     add_workload_args(ap)
     args = ap.parse_args(argv)
+    if not args.burstiness > 0:
+        ap.error(f"--burstiness must be > 0, got {args.burstiness}")
 
     from mlx_lm.utils import load_tokenizer
 
@@ -540,7 +560,7 @@ def main(argv=None):
             backend = HTTPBackend(args.base_url, args.model, extra, args.api_key)
         try:
             return await run(backend, requests, args.request_rate, args.max_concurrency, args.seed,
-                             not args.disable_tqdm, slo)
+                             not args.disable_tqdm, slo, burstiness=args.burstiness)
         finally:
             await backend.aclose()
             if engine is not None:

@@ -205,6 +205,32 @@ def test_rounds_cost_an_app_variant_against_the_bare_engine():
     assert "serve_throughput_cost" not in s and "haproxy_throughput_ratio" not in s   # no "ours" to compare
 
 
+def test_arrivals_average_the_rate_and_spread_with_burstiness():
+    """Gaps average 1/rate at every burstiness, with a coefficient of variation of
+    1/sqrt(burstiness) (`vllm bench serve`'s gamma arrivals); burstiness 1 draws what the
+    Poisson runs before it drew, a burst has no gaps, and a shape of 0 is refused, by the
+    function and by the command line."""
+    import math
+
+    import numpy as np
+    import pytest
+
+    from bench import serve_bench as sb
+
+    n, rate = 20000, 4.0
+    assert np.array_equal(sb.arrival_gaps(n, rate, 1.0, seed=3), np.random.default_rng(3).exponential(1 / rate, n))
+    for shape in (0.25, 1.0, 4.0):
+        g = sb.arrival_gaps(n, rate, shape, seed=3)
+        assert abs(g.mean() * rate - 1) < 0.05
+        assert abs(g.std() / g.mean() * math.sqrt(shape) - 1) < 0.08
+    assert not sb.arrival_gaps(5, math.inf, 0.5).any()
+    with pytest.raises(ValueError, match="burstiness"):
+        sb.arrival_gaps(5, rate, 0.0)
+    cli = subprocess.run([sys.executable, "bench/serve_bench.py", "--burstiness", "0"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cli.returncode == 2 and "--burstiness must be > 0" in cli.stderr
+
+
 def test_workloads_can_share_lengths_and_differ_in_text():
     """rounds.py gives every system of a round its own text at the same lengths."""
     import random

@@ -320,6 +320,18 @@ def test_serve_bench_engine_backend_counts_every_token(async_engine):
         <= s["ttft_s"]["p95"]
 
 
+def test_serve_bench_waits_out_its_arrivals(async_engine):
+    """At a finite rate, a run sends each request after its gap (`arrival_gaps`), so it
+    lasts at least their sum, and it records the burstiness it ran at."""
+    from bench import serve_bench as sb
+
+    reqs = sb.random_workload(sb.TextSource(async_engine.tokenizer, seed=2), 4, 8, 2, 0.0)
+    s = asyncio.run(sb.run(sb.EngineBackend(async_engine), reqs, request_rate=10.0, seed=5, progress=False,
+                           burstiness=0.5))
+    assert s["completed"] == 4 and s["burstiness"] == 0.5
+    assert s["duration_s"] >= sb.arrival_gaps(3, 10.0, 0.5, seed=5).sum() > 0
+
+
 def test_serve_bench_engine_backend_paces_as_the_app(async_engine):
     """Paced as the app's replica paces (`compare.py`'s bare engine): the first token at
     once, then, with a minute's interval, everything else in the last chunk."""
