@@ -28,7 +28,8 @@ Every system gets the same requests from `serve_bench.py`, with EOS banned throu
   vs load and saturation;
 - `random-poisson`: Poisson arrivals at the rate where `mlx_lm.server` delivers 80 % of
   its peak throughput in the sweep, for TTFT under a load everyone can carry;
-- `prefix`: requests sharing a few long prefixes (APC on vs off);
+- `prefix`: requests sharing a few long prefixes (APC on vs off); with several
+  `--prefix-len`, one workload per length (`prefix`, then `prefix-<length>`);
 - `multi-turn`: chat sessions that resend their history;
 - `kv-memory`: in-process, closed loop, KV bytes held per step, our paged pool vs
   mlx-lm's `BatchGenerator` (the batcher `mlx_lm.server` runs) on the same requests.
@@ -431,10 +432,11 @@ def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random
     for c in warm_sweep(plan, a) if points is None else points:
         measure(target, sb.random_workload(wl.src(7 + c), c, a.input_len, 4, a.range_ratio), concurrency=c)
     if "prefix" in plan:
-        for c in warm_prefix_concurrency(a.prefix_concurrency):
-            reqs = sb.prefix_workload(wl.src(9000), 2 * c, a.prefix_len, a.num_prefixes,
-                                      a.suffix_len, a.prefix_output_len)
-            measure(target, reqs, concurrency=c)
+        for i, length in enumerate(a.prefix_len):
+            for c in warm_prefix_concurrency(a.prefix_concurrency):
+                reqs = sb.prefix_workload(wl.src(9000 + 100 * i), 2 * c, length, a.num_prefixes,
+                                          a.suffix_len, a.prefix_output_len)
+                measure(target, reqs, concurrency=c)
     if "multi-turn" in plan:
         reqs = sb.multi_turn_workload(wl.src(9001), a.num_sessions, 2, a.turn_len, 4)
         measure(target, reqs, concurrency=a.num_sessions)
@@ -477,10 +479,15 @@ class Workloads:
         return sb.random_workload(self.src(2000), self.a.poisson_prompts, self.a.input_len, self.a.output_len,
                                   self.a.range_ratio)
 
-    def prefix(self):
+    def prefixes(self) -> list[tuple[str, int, list]]:
+        """One prefix workload per `--prefix-len`, each as (row name, length, requests): the
+        first is `prefix`, the others `prefix-<length>`. Each length has text of its own,
+        so a longer prefix never hits the blocks a shorter one cached."""
         a = self.a
-        return sb.prefix_workload(self.src(3000), a.prefix_prompts, a.prefix_len, a.num_prefixes,
-                                  a.suffix_len, a.prefix_output_len)
+        return [("prefix" if i == 0 else f"prefix-{n}", n,
+                 sb.prefix_workload(self.src(3000 + 100 * i), a.prefix_prompts, n, a.num_prefixes,
+                                    a.suffix_len, a.prefix_output_len))
+                for i, n in enumerate(a.prefix_len)]
 
     def multi_turn(self):
         a = self.a
@@ -488,8 +495,11 @@ class Workloads:
 
 
 def _plan_of(workload: str) -> str:
-    """The workload a row's name stands for: `prefix (HAProxy)` is a variant's prefix row."""
+    """The workload a row's name stands for: `prefix (HAProxy)` is a variant's prefix row,
+    `prefix-7680` the prefix workload at a second `--prefix-len`."""
     base = workload.split(" (")[0]
+    if base.startswith("prefix-"):
+        return "prefix"
     return {"random-poisson": "poisson"}.get(base, base)
 
 
@@ -512,8 +522,9 @@ def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float 
     if "poisson" in plan and rate:
         keep(to_row(target, name("random-poisson"), measure(target, wl.poisson(), rate=rate, seed=1), **setting))
     if "prefix" in plan:
-        keep(to_row(target, name("prefix"), measure(target, wl.prefix(), concurrency=args.prefix_concurrency),
-                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, **setting))
+        for workload, length, reqs in wl.prefixes():
+            keep(to_row(target, name(workload), measure(target, reqs, concurrency=args.prefix_concurrency),
+                        prefix_len=length, num_prefixes=args.num_prefixes, **setting))
     if "multi-turn" in plan:
         keep(to_row(target, name("multi-turn"), measure(target, wl.multi_turn(), concurrency=args.num_sessions),
                     sessions=args.num_sessions, turns=args.turns, **setting))
@@ -610,6 +621,19 @@ def headline(rows: list[dict], args) -> dict:
     if ok(on) and ok(off):
         h["apc_ttft_p50_speedup_haproxy"] = off["ttft_p50_s"] / on["ttft_p50_s"]
         h["apc_ttft_mean_speedup_haproxy"] = off["ttft_mean_s"] / on["ttft_mean_s"]
+    for suffix, on_label, off_of in (("", "", lambda w: ("ours-no-apc", w)),
+                                     ("_haproxy", f" ({VARIANTS['ours-haproxy'].label})",
+                                      lambda w: ("ours", f"{w} ({VARIANTS['ours-haproxy-no-apc'].label})"))):
+        by_len = {}
+        for on in rows:
+            base = on["workload"].removesuffix(on_label)
+            if on["system"] == "ours" and on["workload"].endswith(on_label) and _plan_of(base) == "prefix" \
+                    and " (" not in base:
+                off = pick(rows, *off_of(base))
+                if ok(on) and ok(off) and on.get("prefix_len"):
+                    by_len[on["prefix_len"]] = off["ttft_p50_s"] / on["ttft_p50_s"]
+        if len(by_len) > 1:
+            h[f"apc_ttft_p50_speedup_by_prefix_len{suffix}"] = dict(sorted(by_len.items()))
     mem = [(pick(rows, "ours-bare-engine", "kv-memory", c), pick(rows, "mlx_lm.server", "kv-memory", c))
            for c in sorted({r["concurrency"] for r in rows if r["workload"] == "kv-memory"})]
     mem = [(a, b) for a, b in mem if a and b]
@@ -711,7 +735,8 @@ def main(argv=None):
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--poisson-prompts", type=int, default=96)
     ap.add_argument("--poisson-rate", type=float, default=None, help="default: 80 %% of mlx_lm.server's peak")
-    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--prefix-len", type=int, nargs="+", default=[1024],
+                    help="one prefix workload per length: `prefix`, then `prefix-<length>` rows")
     ap.add_argument("--num-prefixes", type=int, default=4)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--prefix-output-len", type=int, default=16)
@@ -780,18 +805,20 @@ def main(argv=None):
         n_before = len(rows)
         ticks0, speed0 = cpu_ticks(), host_speed()
         if name == "mlx_lm.server":
-            # The sweep and the other workloads each get a fresh server: after a burst
-            # of hundreds of streams mlx_lm.server can stop generating (its generation
+            # The sweep, the prefix and multi-turn workloads, and Poisson arrivals each
+            # get a fresh server: after a burst of hundreds of streams, or a wave of
+            # 7,680-token prompts, mlx_lm.server can stop generating (its generation
             # thread dies and every later request fails), which would lose the rest.
             with mlx_lm_server(model, top, extra) as t:
                 run_system(t, wl, args, {"random"}, None, keep)
             if not rate and mlx_lm_sweep(rows):
                 rate = poisson_rate(rows, args.output_len)[0]
-            if {"prefix", "multi-turn", "poisson"} & set(args.workloads):
+            if {"prefix", "multi-turn"} & set(args.workloads):
                 with mlx_lm_server(model, top, extra) as t:
                     run_system(t, wl, args, {"prefix", "multi-turn"}, None, keep)
-                    if rate:
-                        run_system(t, wl, args, {"poisson"}, rate, keep)
+            if rate and "poisson" in args.workloads:
+                with mlx_lm_server(model, top, extra) as t:
+                    run_system(t, wl, args, {"poisson"}, rate, keep)
         elif name == "ours":
             with ours(model, engine, "ours", extra) as t:
                 run_system(t, wl, args, {"random", "poisson", "prefix", "multi-turn"}, rate, keep)

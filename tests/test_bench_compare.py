@@ -58,6 +58,38 @@ def test_a_variants_prefix_rows_are_compared_with_each_other():
     assert compare.VARIANTS["ours-haproxy-no-apc"].engine == {"enable_prefix_caching": False}
 
 
+def test_each_prefix_length_is_a_workload_of_its_own_text_and_ratio():
+    """`--prefix-len 2048 7680`: the first length keeps the `prefix` rows, the second is
+    `prefix-7680`; the longer prefixes never start with the shorter ones' text (else APC
+    would hit blocks another workload cached), and the headline has a ratio per length."""
+    import argparse
+
+    from mlx_lm.utils import load_tokenizer
+
+    from runtime.models import default_model_path
+
+    tok = load_tokenizer(default_model_path())
+    args = argparse.Namespace(prefix_len=[48, 96], prefix_prompts=4, num_prefixes=2, suffix_len=8,
+                              prefix_output_len=4)
+    (short_name, short_len, short), (long_name, long_len, long) = compare.Workloads(tok, args).prefixes()
+    assert (short_name, short_len, long_name, long_len) == ("prefix", 48, "prefix-96", 96)
+    firsts = lambda reqs: {tuple(tok.encode(r.prompt)[:32]) for r in reqs}  # noqa: E731
+    assert len(firsts(short)) == 2 and len(firsts(long)) == 2 and not firsts(short) & firsts(long)
+    assert compare._plan_of("prefix-96") == compare._plan_of("prefix-96 (HAProxy)") == "prefix"
+    rows = [dict(_row("ours", "prefix", 8, 400.0, 0.05), prefix_len=48),
+            dict(_row("ours-no-apc", "prefix", 8, 200.0, 0.1), prefix_len=48),
+            dict(_row("ours", "prefix-96", 8, 400.0, 0.05), prefix_len=96),
+            dict(_row("ours-no-apc", "prefix-96", 8, 200.0, 0.3), prefix_len=96)]
+    rows += [dict(_row("ours", f"{w} (HAProxy{off})", 8, 400.0, t), prefix_len=n)
+             for w, n, off, t in (("prefix", 48, "", 0.04), ("prefix", 48, ", APC off", 0.12),
+                                  ("prefix-96", 96, "", 0.04), ("prefix-96", 96, ", APC off", 0.32))]
+    h = compare.headline(rows, None)
+    assert abs(h["apc_ttft_p50_speedup"] - 2.0) < 1e-9
+    assert {k: round(v, 9) for k, v in h["apc_ttft_p50_speedup_by_prefix_len"].items()} == {48: 2.0, 96: 6.0}
+    assert {k: round(v, 9) for k, v in h["apc_ttft_p50_speedup_by_prefix_len_haproxy"].items()} == \
+        {48: 3.0, 96: 8.0}
+
+
 def test_warm_up_runs_only_the_sweep_points_its_workloads_reach():
     """A Poisson-only run must not warm a 256-stream burst its arrivals never reach
     (mlx_lm.server stops generating after one); prefix and multi-turn need no sweep."""
@@ -251,12 +283,13 @@ def test_workloads_can_share_lengths_and_differ_in_text():
 
 
 def test_mlx_lm_server_runs_the_workloads_after_its_sweep_on_a_fresh_server(tmp_path):
-    """After a burst of hundreds of streams mlx_lm.server can stop generating; the
-    workloads after its sweep then run on a server of their own, not on that one."""
+    """After a burst of hundreds of streams, or a wave of long prompts, mlx_lm.server can
+    stop generating; the workloads after its sweep, and then its Poisson arrivals, each
+    run on a server of their own, not on one that may have stopped."""
     cmd = [sys.executable, "bench/compare.py", "--tag", "t", "--results-dir", str(tmp_path), "--systems",
            "mlx_lm.server", "--concurrency", "1", "--min-prompts", "2", "--input-len", "8", "--output-len", "4",
-           "--workloads", "random", "multi-turn", "--num-sessions", "2", "--turns", "2", "--turn-len", "8",
-           "--turn-output-len", "4", "--no-kv-memory"]
+           "--workloads", "random", "multi-turn", "poisson", "--poisson-prompts", "2", "--num-sessions", "2",
+           "--turns", "2", "--turn-len", "8", "--turn-output-len", "4", "--no-kv-memory"]
     run = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     servers: set[int] = set()
@@ -270,5 +303,6 @@ def test_mlx_lm_server_runs_the_workloads_after_its_sweep_on_a_fresh_server(tmp_
         if run.poll() is None:
             run.kill()
     rows = json.loads((tmp_path / "compare_t.json").read_text())
-    assert sorted((r["workload"], r["failed"]) for r in rows) == [("multi-turn", 0), ("random", 0)]
-    assert len(servers) == 2, servers
+    assert sorted((r["workload"], r["failed"]) for r in rows) == [("multi-turn", 0), ("random", 0),
+                                                                  ("random-poisson", 0)]
+    assert len(servers) == 3, servers
