@@ -762,7 +762,11 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _on_sigterm)
     if args.replot:
         rows = json.loads((Path(args.results_dir) / f"compare_{args.tag}.json").read_text())
-        print(json.dumps(headline(rows, args), indent=2))
+        h = headline(rows, args)
+        print(json.dumps(h, indent=2))
+        head = Path(args.results_dir) / f"compare_{args.tag}_headline.json"
+        meta = json.loads(head.read_text())["meta"] if head.exists() else rows[0]["meta"]
+        head.write_text(json.dumps({"headline": h, "meta": meta}, indent=2))
         plot(rows, Path(args.results_dir) / f"compare_{args.tag}.png", f"{rows[0]['meta']['model']} on "
              f"{rows[0]['meta']['device']}")
         return

@@ -90,6 +90,23 @@ def test_each_prefix_length_is_a_workload_of_its_own_text_and_ratio():
         {48: 3.0, 96: 8.0}
 
 
+def test_replot_rewrites_the_headline_and_keeps_the_runs_meta(tmp_path):
+    """`--replot` redoes a bundle's headline from its rows (a harness that learned a new
+    ratio reads old runs too) and keeps the meta the run wrote beside it."""
+    rows = [dict(_row("ours", w, 8, 400.0, t), prefix_len=n, meta={"model": "m", "device": "d"})
+            for w, n, t in (("prefix", 48, 0.05), ("prefix-96", 96, 0.05))]
+    rows += [dict(_row("ours-no-apc", w, 8, 200.0, t), prefix_len=n, meta={"model": "m", "device": "d"})
+             for w, n, t in (("prefix", 48, 0.1), ("prefix-96", 96, 0.3))]
+    (tmp_path / "compare_t.json").write_text(json.dumps(rows))
+    (tmp_path / "compare_t_headline.json").write_text(json.dumps({"headline": {}, "meta": {"run": "first"}}))
+    compare.main(["--replot", "--tag", "t", "--results-dir", str(tmp_path)])
+    out = json.loads((tmp_path / "compare_t_headline.json").read_text())
+    assert out["meta"] == {"run": "first"}
+    assert {k: round(v, 9) for k, v in out["headline"]["apc_ttft_p50_speedup_by_prefix_len"].items()} == \
+        {"48": 2.0, "96": 6.0}
+    assert (tmp_path / "compare_t.png").exists()
+
+
 def test_warm_up_runs_only_the_sweep_points_its_workloads_reach():
     """A Poisson-only run must not warm a 256-stream burst its arrivals never reach
     (mlx_lm.server stops generating after one); prefix and multi-turn need no sweep."""
