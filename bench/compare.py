@@ -27,7 +27,8 @@ Every system gets the same requests from `serve_bench.py`, with EOS banned throu
 - `random`: a concurrency sweep (burst arrivals, `--concurrency` cap), for throughput
   vs load and saturation;
 - `random-poisson`: Poisson arrivals at the rate where `mlx_lm.server` delivers 80 % of
-  its peak throughput in the sweep, for TTFT under a load everyone can carry;
+  its peak throughput in the sweep, for TTFT under a load everyone can carry (gamma
+  arrivals at that rate with `--burstiness` other than 1, as in `serve_bench.py`);
 - `prefix`: requests sharing a few long prefixes (APC on vs off); with several
   `--prefix-len`, one workload per length (`prefix`, then `prefix-<length>`);
 - `multi-turn`: chat sessions that resend their history;
@@ -356,12 +357,12 @@ def host_during(before: tuple | None, speed_before: float) -> dict:
     return out
 
 
-def measure(target: Target, requests, rate=math.inf, concurrency=None, seed=0) -> dict:
+def measure(target: Target, requests, rate=math.inf, concurrency=None, seed=0, burstiness=1.0) -> dict:
     async def go():
         backend = target.make_backend()
         try:
             return await sb.run(backend, requests, rate, concurrency, seed, progress=False,
-                                sampler=target.sampler)
+                                sampler=target.sampler, burstiness=burstiness)
         finally:
             await backend.aclose()
     return asyncio.run(go())
@@ -520,7 +521,8 @@ def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float 
         for c in points:
             keep(to_row(target, name("random"), measure(target, wl.random(c), concurrency=c), **setting))
     if "poisson" in plan and rate:
-        keep(to_row(target, name("random-poisson"), measure(target, wl.poisson(), rate=rate, seed=1), **setting))
+        s = measure(target, wl.poisson(), rate=rate, seed=1, burstiness=args.burstiness)
+        keep(to_row(target, name("random-poisson"), s, burstiness=s["burstiness"], **setting))
     if "prefix" in plan:
         for workload, length, reqs in wl.prefixes():
             keep(to_row(target, name(workload), measure(target, reqs, concurrency=args.prefix_concurrency),
@@ -735,6 +737,8 @@ def main(argv=None):
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--poisson-prompts", type=int, default=96)
     ap.add_argument("--poisson-rate", type=float, default=None, help="default: 80 %% of mlx_lm.server's peak")
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="the `random-poisson` arrivals' gamma shape, as serve_bench's (1: Poisson)")
     ap.add_argument("--prefix-len", type=int, nargs="+", default=[1024],
                     help="one prefix workload per length: `prefix`, then `prefix-<length>` rows")
     ap.add_argument("--num-prefixes", type=int, default=4)
@@ -756,6 +760,8 @@ def main(argv=None):
                     help="which workloads to run (with --merge, only their rows are replaced)")
     ap.add_argument("--replot", action="store_true", help="only redo the headline and plot from the JSON")
     args = ap.parse_args(argv)
+    if not args.burstiness > 0:
+        ap.error(f"--burstiness must be > 0, got {args.burstiness}")
     unknown = [s for s in args.systems if s not in SYSTEMS and app_variant(s) is None]
     if unknown:
         ap.error(f"unknown systems {unknown}: {', '.join(SYSTEMS)}, ours-chunks-N or {', '.join(VARIANTS)}")

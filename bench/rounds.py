@@ -12,7 +12,8 @@ Writes `bench/results/rounds_<tag>.json`.
     python bench/rounds.py --rounds 5        # 2-core CPU host: about 12 minutes
 
 Points: random-length requests at each `--concurrency`, and Poisson arrivals at
-`--rate` (default: 80 % of mlx_lm.server's peak in `compare_<tag>.json`'s sweep).
+`--rate` (default: 80 % of mlx_lm.server's peak in `compare_<tag>.json`'s sweep; gamma
+arrivals with `--burstiness` other than 1, as in `serve_bench.py`).
 """
 
 import argparse
@@ -107,6 +108,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="their gamma shape (1: Poisson)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.5)
@@ -118,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--results-dir", default=str(compare.RESULTS))
     args = ap.parse_args(argv)
+    if not args.burstiness > 0:
+        ap.error(f"--burstiness must be > 0, got {args.burstiness}")
     results = Path(args.results_dir)
     if args.rate is None:
         bundle = json.loads((results / f"compare_{args.tag}.json").read_text())
@@ -157,8 +161,10 @@ def main(argv=None) -> None:
                     reqs = sb.random_workload(sb.TextSource(tok, 100_000 * (r + 1) + 1000 * i + j), p["n"],
                                               args.input_len, args.output_len, args.range_ratio,
                                               lengths=random.Random(100_000 * (r + 1) + 1000 * i))
-                    s = compare.measure(t, reqs, p["rate"] or math.inf, p["concurrency"], seed=r)
-                    rows.append(compare.to_row(t, p["point"], s, round=r, point=p["point"]))
+                    s = compare.measure(t, reqs, p["rate"] or math.inf, p["concurrency"], seed=r,
+                                        burstiness=args.burstiness if p["rate"] else 1.0)
+                    rows.append(compare.to_row(t, p["point"], s, round=r, point=p["point"],
+                                               burstiness=s["burstiness"]))
             save()
 
     summary = save()

@@ -10,11 +10,21 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench import compare
 
 from .serving import exited, live_pids
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def own_sigterm():
+    """`compare.main` in this process takes SIGTERM over (to stop its servers); give it back."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
 
 
 def _row(system, workload, concurrency, tok_s, ttft, rate=None, failed=0):
@@ -90,7 +100,7 @@ def test_each_prefix_length_is_a_workload_of_its_own_text_and_ratio():
         {48: 3.0, 96: 8.0}
 
 
-def test_replot_rewrites_the_headline_and_keeps_the_runs_meta(tmp_path):
+def test_replot_rewrites_the_headline_and_keeps_the_runs_meta(tmp_path, own_sigterm):
     """`--replot` redoes a bundle's headline from its rows (a harness that learned a new
     ratio reads old runs too) and keeps the meta the run wrote beside it."""
     rows = [dict(_row("ours", w, 8, 400.0, t), prefix_len=n, meta={"model": "m", "device": "d"})
@@ -278,6 +288,33 @@ def test_arrivals_average_the_rate_and_spread_with_burstiness():
     cli = subprocess.run([sys.executable, "bench/serve_bench.py", "--burstiness", "0"], cwd=ROOT,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert cli.returncode == 2 and "--burstiness must be > 0" in cli.stderr
+
+
+def test_compare_and_rounds_pass_burstiness_to_their_poisson_arrivals(tmp_path, own_sigterm):
+    """`--burstiness` reaches the Poisson row's arrivals (recorded in the row, and the
+    gaps drawn with that shape); a shape <= 0 is refused before anything starts."""
+    from bench import rounds
+    from bench import serve_bench as sb
+
+    for main in (compare.main, rounds.main):
+        try:
+            main(["--burstiness", "0", "--results-dir", str(tmp_path)])
+            raise AssertionError("--burstiness 0 was accepted")
+        except SystemExit as e:
+            assert e.code == 2
+    compare.main(["--tag", "b", "--results-dir", str(tmp_path), "--systems", "ours-bare-engine",
+                  "--workloads", "poisson", "--poisson-rate", "40", "--burstiness", "0.25",
+                  "--poisson-prompts", "6", "--input-len", "8", "--output-len", "2", "--concurrency", "1",
+                  "--no-kv-memory"])
+    (row,) = json.loads((tmp_path / "compare_b.json").read_text())
+    assert (row["workload"], row["burstiness"], row["completed"]) == ("random-poisson", 0.25, 6)
+    assert row["request_rate"] == 40
+    assert row["duration_s"] >= sb.arrival_gaps(5, 40, 0.25, seed=1).sum()
+    rounds.main(["--tag", "b", "--results-dir", str(tmp_path), "--systems", "ours-bare-engine", "--rounds", "1",
+                 "--concurrency", "1", "--rate", "40", "--burstiness", "0.25", "--poisson-prompts", "4",
+                 "--min-prompts", "2", "--input-len", "8", "--output-len", "2"])
+    got = {r["point"]: r["burstiness"] for r in json.loads((tmp_path / "rounds_b.json").read_text())["rows"]}
+    assert got == {"1 streams": 1.0, "Poisson": 0.25}
 
 
 def test_workloads_can_share_lengths_and_differ_in_text():
