@@ -181,15 +181,21 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict:
         """Load and a bounded set of the prefix-cache block hashes this replica holds,
-        for prefix-aware routing."""
+        for prefix-aware routing; for a model whose sliding layers keep window slots,
+        also the window's length and those of the hashes whose blocks hold their slots
+        (a hit here is cut back to where its window's blocks do)."""
         try:
             self.engine.check_health()
         except EngineDeadError:
             return {"dead": True}
         s = self.engine.stats()
-        return {"load": s["running"] + s["waiting"], "running": s["running"], "waiting": s["waiting"],
-                "kv_cache_usage": s["kv_cache_usage"], "block_size": s["block_size"],
-                "block_hashes": self.engine.cached_block_hashes(ROUTING_HASH_LIMIT)}
+        stats = {"load": s["running"] + s["waiting"], "running": s["running"], "waiting": s["waiting"],
+                 "kv_cache_usage": s["kv_cache_usage"], "block_size": s["block_size"],
+                 "block_hashes": self.engine.cached_block_hashes(ROUTING_HASH_LIMIT)}
+        if s.get("window_tokens"):
+            stats["window_tokens"] = s["window_tokens"]
+            stats["window_block_hashes"] = self.engine.window_block_hashes(ROUTING_HASH_LIMIT)
+        return stats
 
     def __del__(self):
         engine = getattr(self, "engine", None)

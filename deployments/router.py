@@ -6,7 +6,9 @@ KV blocks. The router computes the same chained block hashes the engine caches u
 matches them against two sources:
 
 - what each replica reports through `record_routing_stats`: a bounded set of the block
-  hashes in its prefix cache, and its load;
+  hashes in its prefix cache, and its load; for a model with sliding-window layers in
+  window slots, also which of those blocks still hold their slots, so that a match is
+  cut back as the replica's engine would cut the hit (`usable_hit`);
 - what this router sent where recently (a bounded LRU), so a prefix family sticks to
   one replica before the next stats report arrives.
 
@@ -22,6 +24,7 @@ from collections import Counter, OrderedDict
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter
 
 from runtime.kv.prefix_cache import block_hashes
+from runtime.kv.window_slots import usable_hit
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -41,7 +44,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self.recent_capacity = recent_capacity
         self._recent: OrderedDict[bytes, ReplicaID] = OrderedDict()
         self._owned: Counter = Counter()      # blocks per replica in `_recent`
-        self._held: dict[ReplicaID, tuple[tuple, frozenset]] = {}
+        self._held: dict[tuple[ReplicaID, str], tuple[dict, frozenset]] = {}
         self._pending: OrderedDict[int, list[bytes]] = OrderedDict()   # request -> its hashes
         self.rng = random.Random()
 
@@ -54,13 +57,14 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         salt = pending.args[3] if len(pending.args) > 3 else pending.kwargs.get("cache_salt")
         return pending.args[0], salt
 
-    def _held_set(self, replica) -> frozenset:
-        hashes = (replica.routing_stats or {}).get("block_hashes") or []
-        key = (len(hashes), hashes[0] if hashes else b"")
-        cached = self._held.get(replica.replica_id)
-        if cached is None or cached[0] != key:
-            cached = (key, frozenset(hashes))
-            self._held[replica.replica_id] = cached
+    def _held_set(self, replica, field: str = "block_hashes") -> frozenset:
+        """A reported list of hashes as a set, built once per report: each report reaches
+        the router as a new stats dict, which the cache holds (so its id is not reused)."""
+        stats = replica.routing_stats or {}
+        cached = self._held.get((replica.replica_id, field))
+        if cached is None or cached[0] is not stats:
+            cached = (stats, frozenset(stats.get(field) or ()))
+            self._held[(replica.replica_id, field)] = cached
         return cached[1]
 
     @staticmethod
@@ -86,9 +90,12 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             self._pending.popitem(last=False)
         return hashes
 
-    def _match(self, hashes: list[bytes], replica) -> int:
-        held = self._held_set(replica)
-        from_stats = leading_matches(hashes, held)
+    def _match(self, hashes: list[bytes], replica, block_size: int) -> int:
+        from_stats = leading_matches(hashes, self._held_set(replica))
+        window = (replica.routing_stats or {}).get("window_tokens")
+        if window and from_stats:
+            slotted = self._held_set(replica, "window_block_hashes")
+            from_stats = usable_hit(from_stats, window, block_size, lambda i: hashes[i] in slotted)
         from_recent = 0
         for h in hashes:
             if self._recent.get(h) != replica.replica_id:
@@ -110,7 +117,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             return [candidate_replicas]
         hashes = self._hashes(pending_request, candidate_replicas) if pending_request else []
         if hashes:
-            scored = [(self._match(hashes, r), -self._load(r), r) for r in candidate_replicas]
+            size = self._block_size(candidate_replicas)
+            scored = [(self._match(hashes, r, size), -self._load(r), r) for r in candidate_replicas]
             best_n, _, best = max(scored, key=lambda t: (t[0], t[1]))
             min_load = min(self._load(r) for r in candidate_replicas)
             if best_n > 0 and self._load(best) - min_load <= self.imbalance_threshold:
@@ -133,7 +141,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
-        self._held.pop(replica_id, None)
+        for key in [k for k in self._held if k[0] == replica_id]:
+            del self._held[key]
         self._owned.pop(replica_id, None)
         for h in [h for h, r in self._recent.items() if r == replica_id]:
             del self._recent[h]

@@ -79,6 +79,7 @@ class AsyncEngine:
         self._info: dict = {}
         self._stats: dict = {}
         self._hashes: list[bytes] = []
+        self._window_hashes: list[bytes] = []
         self._tokenizer = None
         self.live_streams = 0   # generate() calls in progress
         self._ready = threading.Event()
@@ -187,6 +188,11 @@ class AsyncEngine:
         `HASH_SNAPSHOT_PERIOD_S` old)."""
         return self._hashes[:limit]
 
+    def window_block_hashes(self, limit: int) -> list[bytes]:
+        """Those whose blocks hold their window slots (the same snapshot; none without a
+        window pool)."""
+        return self._window_hashes[:limit]
+
     def check_health(self) -> None:
         """Raises `EngineDeadError` once the loop has stopped, or has stalled: with
         `stall_timeout_s`, a loop that has not come round for that long (it does at least
@@ -250,7 +256,7 @@ class AsyncEngine:
             elif kind == "stats":
                 self._stats = ev[1]
             elif kind == "hashes":
-                self._hashes = ev[1]
+                self._hashes, self._window_hashes = ev[1], ev[2]
             elif kind == "rejected":
                 deliver(self._waiters.pop(ev[1], None), ev[2])
             elif kind == "failed":

@@ -585,6 +585,11 @@ class LLMEngine:
         """Up to `limit` prefix-cache block hashes, most recently cached first."""
         return list(itertools.islice(reversed(self.kv.cache.cached_hashes()), limit))
 
+    def window_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` of those whose blocks hold their window slots, most recently
+        cached first (`KVCacheManager.window_block_hashes`; none without a window pool)."""
+        return list(itertools.islice(self.kv.window_block_hashes(), limit))
+
     def stats(self) -> dict:
         usage = self.kv.usage()
         pc = self.kv.cache.stats
@@ -601,6 +606,7 @@ class LLMEngine:
             "num_cached_blocks": usage.num_cached_blocks,
             "num_blocks_held_by_requests": held,
             "block_size": self.config.block_size,
+            "window_tokens": window.window if window else None,
             "window_slots_total": window.num_slots if window else 0,
             "window_slots_in_use": window.num_used if window else 0,
             "window_slot_evictions": window.evictions if window else 0,

@@ -96,3 +96,19 @@ def test_block_hash_is_stable_and_salted():
     salted = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, "x")
     assert salted[0] != a[0] and salted[1] != a[1]     # the salt reaches every chained block
     assert a[0].hex() == block_hashes([1, 2, 3, 4], 4)[0].hex()
+
+
+def test_the_router_reads_each_new_report_of_a_replicas_cache():
+    """A replica's next report can hold as many hashes as the last, newest first the
+    same, and still differ: the router matches against the report it has now."""
+    from types import SimpleNamespace
+
+    from deployments.router import PrefixAwareRouter
+
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)   # its matching alone, outside a Serve cluster
+    router.initialize_state()
+    hashes = block_hashes(list(range(32)), 16, None)
+    replica = SimpleNamespace(replica_id="r", routing_stats={"block_hashes": [b"newest", b"other"]})
+    assert router._match(hashes, replica, 16) == 0
+    replica.routing_stats = {"block_hashes": [b"newest", hashes[0]]}
+    assert router._match(hashes, replica, 16) == 1

@@ -71,6 +71,86 @@ def test_a_prefix_hit_takes_its_windows_slots_and_is_cut_back_where_they_went():
     assert window.num_used == 0 and kv.pool.num_used == 0
 
 
+def test_a_router_cuts_a_replicas_match_where_its_engine_cuts_the_hit():
+    """A replica reports its cached block hashes and which of their blocks hold window
+    slots; from those and a request's own hashes a router cuts the replica's prefix
+    match exactly where the engine cuts the hit, also where slots went to others."""
+    from types import SimpleNamespace
+
+    from deployments.router import PrefixAwareRouter, leading_matches
+    from runtime.kv.prefix_cache import block_hashes
+    from runtime.kv.window_slots import usable_hit
+
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)   # its matching alone, outside a Serve cluster
+    router.initialize_state()
+    kv, window = _manager(num_blocks=64, num_slots=20)
+    rng = random.Random(5)
+    families = [list(range(100 * k, 100 * k + 24)) for k in range(4)]   # six blocks each
+    hits = cut = 0
+    for i in range(60):
+        ids = rng.choice(families)[:rng.choice([8, 16, 24])] + [rng.randrange(1000, 2000)
+                                                              for _ in range(rng.randrange(1, 9))]
+        seq = Sequence(f"s{i}", 0, ids, SamplingParams())
+        hashes = block_hashes(ids, BS, None)[:(len(ids) - 1) // BS]   # the engine leaves a token to compute
+        held, slotted = set(kv.cache.cached_hashes()), set(kv.window_block_hashes())
+        n = leading_matches(hashes, held)
+        routed = usable_hit(n, W, BS, lambda j: hashes[j] in slotted)
+        report = {"block_hashes": list(held), "window_tokens": W, "window_block_hashes": list(slotted)}
+        assert router._match(hashes, SimpleNamespace(replica_id="r", routing_stats=report), BS) == routed
+        computed = kv.get_computed_blocks(seq)
+        assert routed == len(computed), (i, n, routed, len(computed))
+        hits += bool(computed)
+        cut += routed < n
+        rest = len(ids) - len(computed) * BS
+        assert kv.allocate_slots(seq, rest, computed)
+        seq.num_computed_tokens += rest
+        kv.free(seq)
+    assert hits > 20 and cut > 10 and window.evictions > 0
+    assert kv.pool.num_used == 0 and window.num_used == 0
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama"])
+def test_a_replica_reports_which_cached_blocks_hold_window_slots(model_dirs, name):
+    """`record_routing_stats` from an engine process: beside its cached block hashes, for a
+    model with sliding layers, the window's length and the hashes whose blocks hold
+    their slots (not those whose slots a later prompt took); nothing more for a model
+    without."""
+    import asyncio
+    import time
+
+    from deployments.llm_server import LLMServer
+
+    server = LLMServer({"model": model_dirs[name], "num_gpu_blocks": 64, "block_size": 4, "max_num_seqs": 2,
+                        "max_num_batched_tokens": 32, "device": "cpu"}, engine_nice=None)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def run(ids):
+        async for _ in server.engine.generate(prompt_token_ids=ids, params=params):
+            pass
+
+    try:
+        rng = random.Random(7)
+        first, second = _prompt(rng, 100), _prompt(rng, 100)
+        for ids in (first, second):
+            asyncio.run(run(ids))
+        deadline = time.monotonic() + 10
+        while len(server.engine.cached_block_hashes(1000)) < 48 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.6)   # one more snapshot, taken after both prompts' blocks were cached
+        stats = server.record_routing_stats()
+        held = stats["block_hashes"]
+        assert len(held) >= 48
+        if name == "llama":
+            assert "window_tokens" not in stats and "window_block_hashes" not in stats
+            return
+        slotted = stats["window_block_hashes"]
+        assert stats["window_tokens"] == 8 and set(slotted) <= set(held)
+        assert held[0] in slotted          # the last window the second prompt read keeps its slots
+        assert len(slotted) < len(held)    # the first prompt's went to the second
+    finally:
+        server.engine.shutdown(timeout=5)
+
+
 def test_short_of_slots_nothing_changes():
     kv, window = _manager(num_slots=4)
     a = Sequence("a", 0, list(range(10, 22)), SamplingParams())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..sequence import Sequence
 from .block_pool import BlockPool
 from .prefix_cache import PrefixCache, extend_block_hashes
-from .window_slots import WindowSlots
+from .window_slots import WindowSlots, usable_hit
 
 
 @dataclass
@@ -47,15 +47,20 @@ class KVCacheManager:
         return self.cache.lookup(hashes, seq.num_tokens, self.block_size, self._window_kept)
 
     def _window_kept(self, hit: list[int]) -> list[int]:
-        """A prefix hit cut back to where the window before its end still has its slots:
-        sliding layers attend the keys there, and no other block holds them."""
+        """A prefix hit cut back to where the window before its end still has its slots."""
         w = self.window
         if w is None:
             return hit
-        n = len(hit)
-        while n and not w.covers(hit[w.first_needed(n * self.block_size):n]):
-            n -= 1
-        return hit[:n]
+        return hit[:usable_hit(len(hit), w.window, self.block_size, lambda i: w.covers(hit[i:i + 1]))]
+
+    def window_block_hashes(self):
+        """The cached blocks' hashes whose blocks hold their window slots, most recently
+        cached first (none without a window pool): with them a router cuts a replica's
+        prefix match back as `_window_kept` cuts a hit."""
+        w = self.window
+        if w is None:
+            return iter(())
+        return (h for h, b in reversed(self.cache.cached_items()) if w.covers([b]))
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         total = seq.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens

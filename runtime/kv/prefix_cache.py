@@ -67,6 +67,10 @@ class PrefixCache:
     def cached_hashes(self):
         return self._blocks.keys()
 
+    def cached_items(self):
+        """(block hash, block id) of every cached block, oldest first."""
+        return self._blocks.items()
+
     def lookup(self, hashes: list[bytes], num_tokens: int, block_size: int, usable=None) -> list[int]:
         """Longest run of cached blocks at the start of `hashes`, cut back by `usable`
         (hit -> the part of it that can be used), if given. Does not take refs."""

@@ -23,6 +23,23 @@ from collections import OrderedDict
 import numpy as np
 
 
+def first_needed_block(position: int, window: int, block_size: int) -> int:
+    """The index of the first block the window of a query at `position` reaches."""
+    return max(0, position - window + 1) // block_size
+
+
+def usable_hit(num_blocks: int, window: int, block_size: int, has_slot) -> int:
+    """How many of a prefix hit's `num_blocks` leading blocks can be used: the hit is
+    cut back to where every block the window before its end reaches has its slot
+    (`has_slot(i)` for the hit's i-th block), since sliding layers attend the keys there
+    and no other block holds them. The engine cuts its hits so; a router that knows
+    which cached blocks have slots cuts a replica's match the same way."""
+    n = num_blocks
+    while n and not all(has_slot(i) for i in range(first_needed_block(n * block_size, window, block_size), n)):
+        n -= 1
+    return n
+
+
 def num_window_slots(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """Slots for every running sequence's window, twice over (so that the windows before
     cached prefixes' ends stay for later hits), and a full step's new tokens: a sequence
@@ -60,7 +77,7 @@ class WindowSlots:
 
     def first_needed(self, position: int) -> int:
         """The index of the first block the window of a query at `position` reaches."""
-        return max(0, position - self.window + 1) // self.block_size
+        return first_needed_block(position, self.window, self.block_size)
 
     def covers(self, block_ids: list[int]) -> bool:
         """Whether every block has its window slot (its K/V for sliding layers)."""
