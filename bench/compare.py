@@ -419,7 +419,7 @@ def _ms(x) -> str:
 
 
 def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random"}),
-            points: list[int] | None = None) -> None:
+            points: list[int] | None = None, lengths: range | None = None) -> None:
     """A short pass over the shapes each planned workload runs, so one-off kernel
     compilation for each batch shape is not timed (MLX's CUDA backend compiles on first
     use; a prompt whose prefix is cached runs a new attention shape, a few new tokens over
@@ -428,14 +428,15 @@ def warm_up(target: Target, wl: "Workloads", plan: set[str] = frozenset({"random
     Poisson arrivals never have more than `poisson_prompts` requests in flight, so they
     warm no sweep point above that (mlx_lm.server stops generating after a 256-stream
     burst). Its text is its own: nothing it caches is hit later.
-    `points`: the sweep points to warm instead (a variant's own sweep)."""
+    `points`: the sweep points to warm instead (a variant's own sweep); `lengths`: which
+    of the `--prefix-len` indices to warm (all by default)."""
     a = wl.a
     for c in warm_sweep(plan, a) if points is None else points:
         measure(target, sb.random_workload(wl.src(7 + c), c, a.input_len, 4, a.range_ratio), concurrency=c)
     if "prefix" in plan:
-        for i, length in enumerate(a.prefix_len):
+        for i in lengths or range(len(a.prefix_len)):
             for c in warm_prefix_concurrency(a.prefix_concurrency):
-                reqs = sb.prefix_workload(wl.src(9000 + 100 * i), 2 * c, length, a.num_prefixes,
+                reqs = sb.prefix_workload(wl.src(9000 + 100 * i), 2 * c, a.prefix_len[i], a.num_prefixes,
                                           a.suffix_len, a.prefix_output_len)
                 measure(target, reqs, concurrency=c)
     if "multi-turn" in plan:
@@ -480,15 +481,16 @@ class Workloads:
         return sb.random_workload(self.src(2000), self.a.poisson_prompts, self.a.input_len, self.a.output_len,
                                   self.a.range_ratio)
 
-    def prefixes(self) -> list[tuple[str, int, list]]:
-        """One prefix workload per `--prefix-len`, each as (row name, length, requests): the
-        first is `prefix`, the others `prefix-<length>`. Each length has text of its own,
-        so a longer prefix never hits the blocks a shorter one cached."""
+    def prefixes(self, lengths: range | None = None) -> list[tuple[str, int, list]]:
+        """One prefix workload per `--prefix-len` (those at the indices `lengths`, all by
+        default), each as (row name, length, requests): the first is `prefix`, the others
+        `prefix-<length>`. Each length has text of its own, so a longer prefix never hits
+        the blocks a shorter one cached."""
         a = self.a
-        return [("prefix" if i == 0 else f"prefix-{n}", n,
-                 sb.prefix_workload(self.src(3000 + 100 * i), a.prefix_prompts, n, a.num_prefixes,
+        return [("prefix" if i == 0 else f"prefix-{a.prefix_len[i]}", a.prefix_len[i],
+                 sb.prefix_workload(self.src(3000 + 100 * i), a.prefix_prompts, a.prefix_len[i], a.num_prefixes,
                                     a.suffix_len, a.prefix_output_len))
-                for i, n in enumerate(a.prefix_len)]
+                for i in lengths or range(len(a.prefix_len))]
 
     def multi_turn(self):
         a = self.a
@@ -505,17 +507,19 @@ def _plan_of(workload: str) -> str:
 
 
 def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float | None,
-               keep: Callable[[dict], None], label: str | None = None, **setting) -> None:
+               keep: Callable[[dict], None], label: str | None = None, lengths: range | None = None,
+               **setting) -> None:
     """Runs `plan`'s workloads (those asked for) on `target`, handing each row to `keep`
     as soon as it is measured. `label`: a variant of our app, whose rows are named
-    `<workload> (label)`, sweep the variant's concurrency points and record `setting`."""
+    `<workload> (label)`, sweep the variant's concurrency points and record `setting`.
+    `lengths`: the `--prefix-len` indices its prefix workloads run (all by default)."""
     plan = plan & set(args.workloads)
     if not plan:
         return
     name = (lambda w: f"{w} ({label})") if label else (lambda w: w)  # noqa: E731
     points = (args.variant_concurrency if label else None) or args.concurrency
     t0 = time.perf_counter()
-    warm_up(target, wl, plan, points=points if label and "random" in plan else None)
+    warm_up(target, wl, plan, points=points if label and "random" in plan else None, lengths=lengths)
     print(f"   {target.name}: warm-up {time.perf_counter() - t0:.0f} s", flush=True)
     if "random" in plan:
         for c in points:
@@ -524,7 +528,7 @@ def run_system(target: Target, wl: Workloads, args, plan: set[str], rate: float 
         s = measure(target, wl.poisson(), rate=rate, seed=1, burstiness=args.burstiness)
         keep(to_row(target, name("random-poisson"), s, burstiness=s["burstiness"], **setting))
     if "prefix" in plan:
-        for workload, length, reqs in wl.prefixes():
+        for workload, length, reqs in wl.prefixes(lengths):
             keep(to_row(target, name(workload), measure(target, reqs, concurrency=args.prefix_concurrency),
                         prefix_len=length, num_prefixes=args.num_prefixes, **setting))
     if "multi-turn" in plan:
@@ -815,17 +819,21 @@ def main(argv=None):
         n_before = len(rows)
         ticks0, speed0 = cpu_ticks(), host_speed()
         if name == "mlx_lm.server":
-            # The sweep, the prefix and multi-turn workloads, and Poisson arrivals each
-            # get a fresh server: after a burst of hundreds of streams, or a wave of
-            # 7,680-token prompts, mlx_lm.server can stop generating (its generation
-            # thread dies and every later request fails), which would lose the rest.
+            # The sweep, the first prefix length with multi-turn, each further prefix
+            # length, and Poisson arrivals each get a fresh server: after a burst of
+            # hundreds of streams, or waves of 7,680-token prompts, mlx_lm.server can stop
+            # generating (its generation thread dies and every later request fails),
+            # which would lose the rest.
             with mlx_lm_server(model, top, extra) as t:
                 run_system(t, wl, args, {"random"}, None, keep)
             if not rate and mlx_lm_sweep(rows):
                 rate = poisson_rate(rows, args.output_len)[0]
             if {"prefix", "multi-turn"} & set(args.workloads):
                 with mlx_lm_server(model, top, extra) as t:
-                    run_system(t, wl, args, {"prefix", "multi-turn"}, None, keep)
+                    run_system(t, wl, args, {"prefix", "multi-turn"}, None, keep, lengths=range(1))
+            for i in range(1, len(args.prefix_len)) if "prefix" in args.workloads else ():
+                with mlx_lm_server(model, top, extra) as t:
+                    run_system(t, wl, args, {"prefix"}, None, keep, lengths=range(i, i + 1))
             if rate and "poisson" in args.workloads:
                 with mlx_lm_server(model, top, extra) as t:
                     run_system(t, wl, args, {"poisson"}, rate, keep)

@@ -337,13 +337,16 @@ def test_workloads_can_share_lengths_and_differ_in_text():
 
 
 def test_mlx_lm_server_runs_the_workloads_after_its_sweep_on_a_fresh_server(tmp_path):
-    """After a burst of hundreds of streams, or a wave of long prompts, mlx_lm.server can
-    stop generating; the workloads after its sweep, and then its Poisson arrivals, each
-    run on a server of their own, not on one that may have stopped."""
+    """After a burst of hundreds of streams, or waves of long prompts, mlx_lm.server can
+    stop generating; the workloads after its sweep (the first prefix length with
+    multi-turn), each further prefix length and its Poisson arrivals each run on a
+    server of their own, not on one that may have stopped."""
     cmd = [sys.executable, "bench/compare.py", "--tag", "t", "--results-dir", str(tmp_path), "--systems",
            "mlx_lm.server", "--concurrency", "1", "--min-prompts", "2", "--input-len", "8", "--output-len", "4",
-           "--workloads", "random", "multi-turn", "poisson", "--poisson-prompts", "2", "--num-sessions", "2",
-           "--turns", "2", "--turn-len", "8", "--turn-output-len", "4", "--no-kv-memory"]
+           "--workloads", "random", "multi-turn", "poisson", "prefix", "--poisson-prompts", "2", "--num-sessions", "2",
+           "--turns", "2", "--turn-len", "8", "--turn-output-len", "4", "--prefix-len", "16", "32",
+           "--prefix-prompts", "2", "--prefix-concurrency", "1", "--suffix-len", "4", "--prefix-output-len", "2",
+           "--no-kv-memory"]
     run = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     servers: set[int] = set()
@@ -357,6 +360,6 @@ def test_mlx_lm_server_runs_the_workloads_after_its_sweep_on_a_fresh_server(tmp_
         if run.poll() is None:
             run.kill()
     rows = json.loads((tmp_path / "compare_t.json").read_text())
-    assert sorted((r["workload"], r["failed"]) for r in rows) == [("multi-turn", 0), ("random", 0),
-                                                                  ("random-poisson", 0)]
-    assert len(servers) == 3, servers
+    assert sorted((r["workload"], r["failed"]) for r in rows) == [
+        ("multi-turn", 0), ("prefix", 0), ("prefix-32", 0), ("random", 0), ("random-poisson", 0)]
+    assert len(servers) == 4, servers
