@@ -3,6 +3,8 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime import EngineConfig, LLMEngine, SamplingParams
 from runtime import engine as engine_module
@@ -69,6 +71,19 @@ def test_a_prefix_hit_takes_its_windows_slots_and_is_cut_back_where_they_went():
     assert kv.get_computed_blocks(again) == []
     kv.free(other)
     assert window.num_used == 0 and kv.pool.num_used == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 40), st.integers(1, 8))
+def test_a_hit_is_cut_back_to_the_longest_end_whose_window_kept_its_slots(slots, window, block_size):
+    """`usable_hit` skips back over every end whose window reaches a block without its
+    slot, and stops at the longest end whose window has them all."""
+    from runtime.kv.window_slots import first_needed_block, usable_hit
+
+    def ok(n):
+        return all(slots[i] for i in range(first_needed_block(n * block_size, window, block_size), n))
+    assert usable_hit(len(slots), window, block_size, slots.__getitem__) == \
+        max((n for n in range(len(slots) + 1) if ok(n)), default=0)
 
 
 def test_a_router_cuts_a_replicas_match_where_its_engine_cuts_the_hit():

@@ -35,9 +35,15 @@ def usable_hit(num_blocks: int, window: int, block_size: int, has_slot) -> int:
     and no other block holds them. The engine cuts its hits so; a router that knows
     which cached blocks have slots cuts a replica's match the same way."""
     n = num_blocks
-    while n and not all(has_slot(i) for i in range(first_needed_block(n * block_size, window, block_size), n)):
-        n -= 1
-    return n
+    while n:
+        start = first_needed_block(n * block_size, window, block_size)
+        gap = next((i for i in range(start, n) if not has_slot(i)), None)
+        if gap is None:
+            return n
+        # A shorter hit's window starts no later, so every hit ending after the gap
+        # reaches it too: the next that can be usable ends right before it.
+        n = gap
+    return 0
 
 
 def num_window_slots(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
