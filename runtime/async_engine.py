@@ -189,8 +189,8 @@ class AsyncEngine:
         return self._hashes[:limit]
 
     def window_block_hashes(self, limit: int) -> list[bytes]:
-        """Those whose blocks hold their window slots (the same snapshot; none without a
-        window pool)."""
+        """Those of the snapshot's hashes whose blocks hold their window slots (none
+        without a window pool)."""
         return self._window_hashes[:limit]
 
     def check_health(self) -> None:

@@ -585,10 +585,10 @@ class LLMEngine:
         """Up to `limit` prefix-cache block hashes, most recently cached first."""
         return list(itertools.islice(reversed(self.kv.cache.cached_hashes()), limit))
 
-    def window_block_hashes(self, limit: int) -> list[bytes]:
-        """Up to `limit` of those whose blocks hold their window slots, most recently
-        cached first (`KVCacheManager.window_block_hashes`; none without a window pool)."""
-        return list(itertools.islice(self.kv.window_block_hashes(), limit))
+    def window_block_hashes(self, hashes: list[bytes]) -> list[bytes]:
+        """Those of `hashes` (from `cached_block_hashes`) whose blocks hold their window
+        slots (none without a window pool)."""
+        return self.kv.window_block_hashes(hashes)
 
     def stats(self) -> dict:
         usage = self.kv.usage()

@@ -101,8 +101,8 @@ class EngineLoop:
                     self._busy_at = 0.0
                 events.append(("stats", self._stats()))
                 if time.monotonic() - self._hashes_at > HASH_SNAPSHOT_PERIOD_S:
-                    events.append(("hashes", engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT),
-                                   engine.window_block_hashes(HASH_SNAPSHOT_LIMIT)))
+                    hashes = engine.cached_block_hashes(HASH_SNAPSHOT_LIMIT)
+                    events.append(("hashes", hashes, engine.window_block_hashes(hashes)))
                     self._hashes_at = time.monotonic()
                 emit(events)
         except BaseException as e:

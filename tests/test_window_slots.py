@@ -107,7 +107,8 @@ def test_a_router_cuts_a_replicas_match_where_its_engine_cuts_the_hit():
                                                               for _ in range(rng.randrange(1, 9))]
         seq = Sequence(f"s{i}", 0, ids, SamplingParams())
         hashes = block_hashes(ids, BS, None)[:(len(ids) - 1) // BS]   # the engine leaves a token to compute
-        held, slotted = set(kv.cache.cached_hashes()), set(kv.window_block_hashes())
+        cached = list(kv.cache.cached_hashes())
+        held, slotted = set(cached), set(kv.window_block_hashes(cached))
         n = leading_matches(hashes, held)
         routed = usable_hit(n, W, BS, lambda j: hashes[j] in slotted)
         report = {"block_hashes": list(held), "window_tokens": W, "window_block_hashes": list(slotted)}

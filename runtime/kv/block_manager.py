@@ -10,6 +10,8 @@ window of its sequence reaches it.
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..sequence import Sequence
 from .block_pool import BlockPool
 from .prefix_cache import PrefixCache, extend_block_hashes
@@ -53,14 +55,16 @@ class KVCacheManager:
             return hit
         return hit[:usable_hit(len(hit), w.window, self.block_size, lambda i: w.covers(hit[i:i + 1]))]
 
-    def window_block_hashes(self):
-        """The cached blocks' hashes whose blocks hold their window slots, most recently
-        cached first (none without a window pool): with them a router cuts a replica's
-        prefix match back as `_window_kept` cuts a hit."""
+    def window_block_hashes(self, hashes: list[bytes]) -> list[bytes]:
+        """Those of `hashes` (cached blocks') whose blocks hold their window slots (none
+        without a window pool): with them a router cuts a replica's prefix match back as
+        `_window_kept` cuts a hit."""
         w = self.window
-        if w is None:
-            return iter(())
-        return (h for h, b in reversed(self.cache.cached_items()) if w.covers([b]))
+        if w is None or not hashes:
+            return []
+        blocks = np.fromiter((self.cache.block_of(h) for h in hashes), np.int64, len(hashes))
+        slotted = (w.slot_of[blocks] != w.scratch).tolist()
+        return [h for h, kept in zip(hashes, slotted) if kept]
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         total = seq.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens

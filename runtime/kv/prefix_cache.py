@@ -67,9 +67,9 @@ class PrefixCache:
     def cached_hashes(self):
         return self._blocks.keys()
 
-    def cached_items(self):
-        """(block hash, block id) of every cached block, oldest first."""
-        return self._blocks.items()
+    def block_of(self, block_hash: bytes) -> int:
+        """The block a cached hash maps to."""
+        return self._blocks[block_hash]
 
     def lookup(self, hashes: list[bytes], num_tokens: int, block_size: int, usable=None) -> list[int]:
         """Longest run of cached blocks at the start of `hashes`, cut back by `usable`
