@@ -619,25 +619,22 @@ def headline(rows: list[dict], args) -> dict:
         h["serve_overhead_ttft_s_at_top_load"] = o["ttft_p50_s"] - b["ttft_p50_s"]
         o, b = (pick(rows, "ours", "random", both[0]), pick(rows, "ours-bare-engine", "random", both[0]))
         h["serve_overhead_ttft_s_at_low_load"] = o["ttft_p50_s"] - b["ttft_p50_s"]
-    on, off = pick(rows, "ours", "prefix"), pick(rows, "ours-no-apc", "prefix")
-    if ok(on) and ok(off):
-        h["apc_ttft_p50_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
-        h["apc_ttft_mean_speedup"] = off["ttft_mean_s"] / on["ttft_mean_s"]
-    on, off = (pick(rows, "ours", f"prefix ({VARIANTS[v].label})") for v in ("ours-haproxy", "ours-haproxy-no-apc"))
-    if ok(on) and ok(off):
-        h["apc_ttft_p50_speedup_haproxy"] = off["ttft_p50_s"] / on["ttft_p50_s"]
-        h["apc_ttft_mean_speedup_haproxy"] = off["ttft_mean_s"] / on["ttft_mean_s"]
-    for suffix, on_label, off_of in (("", "", lambda w: ("ours-no-apc", w)),
-                                     ("_haproxy", f" ({VARIANTS['ours-haproxy'].label})",
-                                      lambda w: ("ours", f"{w} ({VARIANTS['ours-haproxy-no-apc'].label})"))):
+    # APC on / off for each prefix workload (`prefix`, `prefix-<length>`), through the
+    # proxy (the app against `ours-no-apc`) and behind HAProxy (its two variants' rows).
+    prefixes = {r["workload"].split(" (")[0] for r in rows if _plan_of(r["workload"]) == "prefix"}
+    haproxy, haproxy_off = (f" ({VARIANTS[v].label})" for v in ("ours-haproxy", "ours-haproxy-no-apc"))
+    for suffix, on_label, off_system, off_label in (("", "", "ours-no-apc", ""),
+                                                    ("_haproxy", haproxy, "ours", haproxy_off)):
         by_len = {}
-        for on in rows:
-            base = on["workload"].removesuffix(on_label)
-            if on["system"] == "ours" and on["workload"].endswith(on_label) and _plan_of(base) == "prefix" \
-                    and " (" not in base:
-                off = pick(rows, *off_of(base))
-                if ok(on) and ok(off) and on.get("prefix_len"):
-                    by_len[on["prefix_len"]] = off["ttft_p50_s"] / on["ttft_p50_s"]
+        for base in prefixes:
+            on, off = pick(rows, "ours", base + on_label), pick(rows, off_system, base + off_label)
+            if not (ok(on) and ok(off)):
+                continue
+            if base == "prefix":
+                h[f"apc_ttft_p50_speedup{suffix}"] = off["ttft_p50_s"] / on["ttft_p50_s"]
+                h[f"apc_ttft_mean_speedup{suffix}"] = off["ttft_mean_s"] / on["ttft_mean_s"]
+            if on.get("prefix_len"):
+                by_len[on["prefix_len"]] = off["ttft_p50_s"] / on["ttft_p50_s"]
         if len(by_len) > 1:
             h[f"apc_ttft_p50_speedup_by_prefix_len{suffix}"] = dict(sorted(by_len.items()))
     mem = [(pick(rows, "ours-bare-engine", "kv-memory", c), pick(rows, "mlx_lm.server", "kv-memory", c))
