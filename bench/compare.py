@@ -10,7 +10,8 @@ port in front of the ingress replicas' own ports, in place of Serve's Python pro
 prefix cache off, for APC on / off without the proxy's hop); opt-in `ours-2-ingress`:
 the split app (below) with two ingress replicas behind the proxy, and
 `ours-haproxy-2-ingress` behind HAProxy (which balances over both); opt-in
-`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in `ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
+`ours-chunks-N`: the app with `max_stream_chunks_per_s: N` (0: no cap); opt-in
+`ours-tokenize-threads-N`: the app with `tokenize_threads: N`; opt-in `ours-split`: the app as two deployments, the ingress calling `LLMServer` replicas
 through Serve (`colocate: false`, as `configs/cluster.yaml` runs), where the shipped
 `configs/config.yaml` colocates front and engine in one replica; opt-in `ours-ray-nice`:
 the app with its engine left at the niceness Ray gives its workers (15) instead of 0;
@@ -178,10 +179,18 @@ SYSTEMS = ("mlx_lm.server", "ours", "ours-bare-engine", "ours-no-apc", "vllm-mlx
 
 def app_variant(name: str) -> Variant | None:
     """The variant of our app a system name stands for (`ours-chunks-N`: the app with
-    `max_stream_chunks_per_s: N`); None for any other system."""
-    if name.startswith("ours-chunks-"):
-        cap = float(name.removeprefix("ours-chunks-"))
-        return Variant(f"{cap:g} chunks/s", {"max_stream_chunks_per_s": cap}, {"max_stream_chunks_per_s": cap})
+    `max_stream_chunks_per_s: N`; `ours-tokenize-threads-N`: with `tokenize_threads: N`);
+    None for any other system."""
+    try:
+        if name.startswith("ours-chunks-"):
+            cap = float(name.removeprefix("ours-chunks-"))
+            return Variant(f"{cap:g} chunks/s", {"max_stream_chunks_per_s": cap}, {"max_stream_chunks_per_s": cap})
+        if name.startswith("ours-tokenize-threads-"):
+            n = int(name.removeprefix("ours-tokenize-threads-"))
+            return Variant(f"{n} tokenizer threads", {"tokenize_threads": n}, {"tokenize_threads": n},
+                           workloads=("random", "prefix")) if n >= 1 else None
+    except ValueError:
+        return None
     return VARIANTS.get(name)
 
 
@@ -765,7 +774,7 @@ def main(argv=None):
         ap.error(f"--burstiness must be > 0, got {args.burstiness}")
     unknown = [s for s in args.systems if s not in SYSTEMS and app_variant(s) is None]
     if unknown:
-        ap.error(f"unknown systems {unknown}: {', '.join(SYSTEMS)}, ours-chunks-N or {', '.join(VARIANTS)}")
+        ap.error(f"unknown systems {unknown}: {', '.join(SYSTEMS)}, ours-chunks-N, ours-tokenize-threads-N or {', '.join(VARIANTS)}")
     signal.signal(signal.SIGTERM, _on_sigterm)
     if args.replot:
         rows = json.loads((Path(args.results_dir) / f"compare_{args.tag}.json").read_text())

@@ -178,10 +178,11 @@ def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> 
 def _split_ttft(timed: list[Result]) -> dict | None:
     """A served stream's TTFT in parts: reading the request in the replica (`request`),
     the way to the first token (`first_token`), and `outside` the replica's handler (the
-    hops through the proxy, both ways); within `first_token`, the parts the engine side
-    timed (`RequestMetrics.ttft_parts`: the way to the engine loop and back, and the
-    engine's own `engine_queue` and `engine_prefill`). Each part that every timed result
-    has; None where the server (or engine) reports none."""
+    hops through the proxy, both ways); within `request`, `read` (the body fetched from
+    the proxy and parsed; the rest makes the prompt's tokens); within `first_token`, the
+    parts the engine side timed (`RequestMetrics.ttft_parts`: the way to the engine loop
+    and back, and the engine's own `engine_queue` and `engine_prefill`). Each part that
+    every timed result has; None where the server (or engine) reports none."""
     if not timed:
         return None
     st = [r.server_timing for r in timed]

@@ -80,6 +80,11 @@ class AppArgs(BaseModel):
                                "threads, where prompts that arrive together tokenize in parallel "
                                "and the loop serves other requests meanwhile, but each result "
                                "waits for the GIL while the loop is busy")
+    tokenize_threads: int = Field(
+        4, ge=1, description="threads per replica that tokenize prompts of tokenize_inline_chars "
+                             "or more (at most the host's CPU count): the Rust tokenizer releases "
+                             "the GIL, so this many long prompts that arrive together tokenize at "
+                             "once; the rest wait their turn")
     switch_interval_ms: Optional[float] = Field(
         None, gt=0, description="Python's thread switch interval (sys.setswitchinterval) in each "
                                 "replica that answers HTTP or holds an engine: how long a thread "
@@ -192,7 +197,8 @@ def build_app(args: AppArgs) -> serve.Application:
         "max_request_body_bytes": args.max_request_body_bytes,
         "max_prompt_tokens": args.max_prompt_tokens, "default_max_tokens": args.default_max_tokens,
         "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
-        "tokenize_inline_chars": args.tokenize_inline_chars, "switch_interval_ms": args.switch_interval_ms,
+        "tokenize_inline_chars": args.tokenize_inline_chars, "tokenize_threads": args.tokenize_threads,
+        "switch_interval_ms": args.switch_interval_ms,
         "created": int(time.time()),
     }
     server_args = {"engine_config": engine, "stream_interval_s": args.stream_interval_ms / 1e3,

@@ -52,10 +52,9 @@ log = logging.getLogger("ray.serve")
 # arrival, body and stream chunks: on the H200, prefix hits (waves of eight 2k-token
 # prompts) spent 27.5 ms p50 from arrival to reaching the engine, mostly waiting for
 # each other's tokenizing, and 13.7 ms with it on threads (bench/results/history.md). The
-# Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel.
-# Prompts shorter than the app's `tokenize_inline_chars` cost less than the hop to a
-# thread and back.
-TOKENIZE_THREADS = 4
+# Rust tokenizer releases the GIL, so prompts that arrive together tokenize in parallel,
+# on the app's `tokenize_threads`. Prompts shorter than its `tokenize_inline_chars` cost
+# less than the hop to a thread and back.
 # OpenAI's routes to stored objects under an id: responses and chat completions, where the
 # app keeps them (response_store.py).
 STORED_PATHS = ("/v1/responses/", "/v1/chat/completions/")
@@ -134,7 +133,7 @@ class OpenAIIngress:
         # model's end marker; a harmony turn's first message's end.
         self.reasoning_end = list(self.tokenizer.think_end_tokens or ()) if self.tokenizer.has_thinking else \
             [self.harmony["<|end|>"]] if self.harmony else None
-        self._tokenize_pool = ThreadPoolExecutor(min(TOKENIZE_THREADS, os.cpu_count() or 1),
+        self._tokenize_pool = ThreadPoolExecutor(min(self.s["tokenize_threads"], os.cpu_count() or 1),
                                                  thread_name_prefix="tokenize")
         self.metrics = Metrics(self.model_name)
         self._info: dict | None = None
@@ -307,11 +306,11 @@ class OpenAIIngress:
             if path.startswith("/v1/models/") and method == "GET":
                 return JSONResponse(await self.model(path.removeprefix("/v1/models/")))
             if path == "/v1/completions" and method == "POST":
-                return await self.completions(await self._body(request, CompletionRequest), api_key, t0)
+                return await self._generate(self.completions, request, CompletionRequest, api_key, t0)
             if path == "/v1/chat/completions" and method == "POST":
-                return await self.chat(await self._body(request, ChatCompletionRequest), api_key, t0)
+                return await self._generate(self.chat, request, ChatCompletionRequest, api_key, t0)
             if path == "/v1/responses" and method == "POST":
-                return await self.responses(await self._body(request, ResponsesRequest), api_key, t0)
+                return await self._generate(self.responses, request, ResponsesRequest, api_key, t0)
             if path.startswith("/v1/responses/") and self.store is not None:
                 return await self.stored_response(path.removeprefix("/v1/responses/"), method,
                                                   request.query_params, api_key)
@@ -353,6 +352,18 @@ class OpenAIIngress:
             self.metrics.errors.labels(self.model_name, "500").inc()
             return HTTPError(500, "internal error; the request was not completed",
                              type_="server_error").response()
+
+    async def _generate(self, endpoint, request: Request, model_cls, api_key: str | None, t0: float) -> Response:
+        """A generation route: its body read, then `endpoint`'s response, whose Server-Timing
+        gets `read`, the part of `request` spent fetching the body from Serve's proxy (a
+        round trip of the replica's own), parsing and validating it; the rest of `request`
+        makes the prompt's tokens."""
+        body = await self._body(request, model_cls)
+        read = time.monotonic() - t0
+        response = await endpoint(body, api_key, t0)
+        if "Server-Timing" in response.headers:
+            response.headers["Server-Timing"] += f", read;dur={read * 1e3:.2f}"
+        return response
 
     async def health(self) -> Response:
         """200 while an engine answers and passes its health check (alive, not stalled),
@@ -980,7 +991,8 @@ async def _quietly(call, what: str) -> None:
 
 def server_timing(**seconds: float) -> dict[str, str]:
     """A `Server-Timing` header (W3C), durations in ms, from the request's arrival in this
-    replica: `request` (its body read from Serve's proxy, validated, tokenized),
+    replica: `request` (its body read from Serve's proxy, validated, tokenized; the
+    generation routes add `read`, its first part),
     `first_token` (a stream: until the first token is in hand, the engine's queue and
     prefill, and with the deployments apart the hop to the `LLMServer` replica and back;
     the headers leave with it) or `generate` (a whole response), and for a stream, the

@@ -68,6 +68,27 @@ def test_a_variants_prefix_rows_are_compared_with_each_other():
     assert compare.VARIANTS["ours-haproxy-no-apc"].engine == {"enable_prefix_caching": False}
 
 
+def test_numbered_app_variants_make_valid_app_arguments(tmp_path):
+    """`ours-tokenize-threads-N` and `ours-chunks-N` give the app their setting, as
+    arguments the app accepts; a name whose number does not parse is refused before
+    anything starts."""
+    from deployments.app import AppArgs
+
+    for name, setting in (("ours-tokenize-threads-8", {"tokenize_threads": 8}),
+                          ("ours-chunks-0", {"max_stream_chunks_per_s": 0.0})):
+        v = compare.app_variant(name)
+        assert v.setting == v.serve == setting
+        args = AppArgs.model_validate(compare.our_app_config("m", {}, **v.serve)["args"])
+        assert {k: getattr(args, k) for k in setting} == setting
+    for bad in ("ours-tokenize-threads-0", "ours-tokenize-threads-x", "ours-chunks-q"):
+        assert compare.app_variant(bad) is None
+        try:
+            compare.main(["--systems", bad, "--results-dir", str(tmp_path)])
+            raise AssertionError(f"{bad} was accepted")
+        except SystemExit as e:
+            assert e.code == 2
+
+
 def test_each_prefix_length_is_a_workload_of_its_own_text_and_ratio():
     """`--prefix-len 2048 7680`: the first length keeps the `prefix` rows, the second is
     `prefix-7680`; the longer prefixes never start with the shorter ones' text (else APC

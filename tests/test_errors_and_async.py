@@ -632,6 +632,35 @@ def test_prompts_past_the_apps_inline_limit_are_tokenized_on_threads():
         ingress._tokenize_pool.shutdown()
 
 
+def test_the_apps_tokenize_threads_tokenize_long_prompts_at_once(default_model):
+    """`tokenize_threads` reaches the ingress from the app's arguments and sizes its
+    tokenizer pool: that many long prompts tokenize at the same time (each waits here
+    for the others to start), and one thread runs them one after another."""
+    import threading
+
+    from deployments.app import AppArgs, build_app
+    from deployments.ingress import OpenAIIngress
+    from deployments.llm_client import LocalLLM
+
+    async def together(ingress, n):
+        meet = threading.Barrier(n, timeout=2)
+        return await asyncio.gather(*(ingress._tokenize(meet.wait, 1 << 20) for _ in range(n)))
+
+    for threads, ok in ((2, True), (1, False)):
+        bound = build_app(AppArgs(model=str(default_model), colocate=True, tokenize_threads=threads))
+        settings = bound._bound_deployment.init_args[1]
+        assert settings["tokenize_threads"] == threads
+        ingress = OpenAIIngress(LocalLLM(None), settings)   # no engine: only its tokenizer pool works
+        try:
+            if ok:
+                assert sorted(asyncio.run(together(ingress, 2))) == [0, 1]
+            else:
+                with pytest.raises(threading.BrokenBarrierError):
+                    asyncio.run(together(ingress, 2))
+        finally:
+            ingress._tokenize_pool.shutdown()
+
+
 def test_the_apps_switch_interval_reaches_the_replica_process(default_model):
     """`switch_interval_ms` reaches both halves of the app from its arguments, and a
     colocated replica runs with it; unset, Python's own interval stays."""

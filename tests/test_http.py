@@ -980,8 +980,9 @@ def test_metrics_after_traffic(server, front, client):
 def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
     """Streamed: the time to read the request and to the first token, sent with the
     headers, and within the latter the engine's queue and prefill; whole: the request
-    and its generation. Each part is real time and together they fit inside what the
-    client measured."""
+    and its generation. Within `request`, both ways, `read`: the body fetched from the
+    front and parsed, before the prompt is tokenized. Each part is real time and
+    together they fit inside what the client measured."""
     url = server.urls[front] + path
     ask = ({"prompt": "Timing the way in and out " * 8} if path == "/v1/completions"
            else {"messages": [{"role": "user", "content": "Timing the way in and out " * 8}]})
@@ -995,8 +996,10 @@ def test_server_timing_splits_the_latency_the_client_sees(server, front, path):
         took = time.monotonic() - t0
         parts = parse_server_timing(r.headers.get("server-timing", ""))
         engine = {k: parts.pop(k) for k in ENGINE_PARTS if k in parts}
+        read = parts.pop("read")
         assert set(parts) == ({"request", "first_token"} if stream else {"request", "generate"})
         assert all(v > 0 for v in parts.values())
+        assert 0 < read < parts["request"]
         assert sum(parts.values()) <= got_headers <= took
         if stream:   # the engine's and the way there and back, all within first_token
             assert set(engine) == set(ENGINE_PARTS)
@@ -1166,6 +1169,7 @@ def test_serve_bench_measures_the_real_server(server):
     assert 0 < prefix["client_cpu_frac"] < 2               # the client's own CPU share is recorded
     split = {k: d["mean"] for k, d in prefix["server_timing_s"].items()}   # TTFT, from Server-Timing
     engine = {k: split.pop(k) for k in ENGINE_PARTS}     # within first_token
+    assert 0 < split.pop("read") < split["request"]      # within request
     assert set(split) == {"request", "first_token", "outside"} and all(v > 0 for v in split.values())
     assert sum(split.values()) == pytest.approx(prefix["ttft_s"]["mean"], rel=1e-6)
     assert all(v >= 0 for v in engine.values()) and 0 < engine["engine_prefill"] <= split["first_token"]
@@ -1184,7 +1188,7 @@ def test_serve_bench_measures_the_real_server(server):
     req = sb.random_workload(src, 1, 16, 5, 0.0)[0]
     whole = asyncio.run(one(sb.HTTPBackend(*backend_args, stream=False), req))
     assert whole.ok and whole.output_tokens == 5 and whole.ttft == whole.e2e > 0 and whole.text
-    assert set(whole.server_timing) == {"request", "generate"}
+    assert set(whole.server_timing) == {"request", "read", "generate"}
     missing = asyncio.run(one(sb.HTTPBackend(backend_args[0], "no-such-model"), req))
     assert not missing.ok and missing.error.startswith("HTTP 404") and "model_not_found" in missing.error
 
