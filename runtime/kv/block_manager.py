@@ -53,7 +53,7 @@ class KVCacheManager:
         w = self.window
         if w is None:
             return hit
-        return hit[:usable_hit(len(hit), w.window, self.block_size, lambda i: w.covers(hit[i:i + 1]))]
+        return hit[:usable_hit(len(hit), w.window, self.block_size, lambda i: w.has_slot(hit[i]))]
 
     def window_block_hashes(self, hashes: list[bytes]) -> list[bytes]:
         """Those of `hashes` (cached blocks') whose blocks hold their window slots (none
@@ -63,7 +63,7 @@ class KVCacheManager:
         if w is None or not hashes:
             return []
         blocks = np.fromiter((self.cache.block_of(h) for h in hashes), np.int64, len(hashes))
-        slotted = (w.slot_of[blocks] != w.scratch).tolist()
+        slotted = w.has_slot(blocks).tolist()
         return [h for h, kept in zip(hashes, slotted) if kept]
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_blocks: int = 0) -> int:

@@ -85,9 +85,14 @@ class WindowSlots:
         """The index of the first block the window of a query at `position` reaches."""
         return first_needed_block(position, self.window, self.block_size)
 
+    def has_slot(self, blocks):
+        """Whether a block (or each of an array of blocks) has its window slot: its K/V
+        for sliding layers."""
+        return self.slot_of[blocks] != self.scratch
+
     def covers(self, block_ids: list[int]) -> bool:
-        """Whether every block has its window slot (its K/V for sliding layers)."""
-        return all(self.slot_of[b] != self.scratch for b in block_ids)
+        """Whether every block has its window slot."""
+        return all(self.has_slot(b) for b in block_ids)
 
     def can_acquire(self, block_ids: list[int], num_new: int) -> bool:
         """Whether `block_ids` (with or without slots) and `num_new` new blocks can all be
