@@ -393,6 +393,9 @@ def to_row(target: Target, workload: str, s: dict, **extra) -> dict:
            "ttfts_s": [round(t, 5) for t in s["ttfts"]], **extra}
     if s.get("server_timing_s"):     # our app's TTFT split (Server-Timing): in the replica, and outside it
         row["ttft_split_p50_s"] = {k: d["p50"] for k, d in s["server_timing_s"].items()}
+        # Medians of skewed parts need not add up to the TTFT's median; the means add up
+        # to `ttft_mean_s` (`request` + `first_token` + `outside`).
+        row["ttft_split_mean_s"] = {k: d["mean"] for k, d in s["server_timing_s"].items()}
     samples = [x for x in s.get("samples") or [] if x]
     busy = [x for x in samples if x["num_requests_running"] > 0]
     if samples:

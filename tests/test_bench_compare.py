@@ -331,6 +331,9 @@ def test_compare_and_rounds_pass_burstiness_to_their_poisson_arrivals(tmp_path, 
     assert (row["workload"], row["burstiness"], row["completed"]) == ("random-poisson", 0.25, 6)
     assert row["request_rate"] == 40
     assert row["duration_s"] >= sb.arrival_gaps(5, 40, 0.25, seed=1).sum()
+    mean = row["ttft_split_mean_s"]                  # the engine's parts of each TTFT, as means: they add up
+    assert mean.keys() == row["ttft_split_p50_s"].keys() and "engine_prefill" in mean
+    assert 0 < sum(mean.values()) <= row["ttft_mean_s"]
     rounds.main(["--tag", "b", "--results-dir", str(tmp_path), "--systems", "ours-bare-engine", "--rounds", "1",
                  "--concurrency", "1", "--rate", "40", "--burstiness", "0.25", "--poisson-prompts", "4",
                  "--min-prompts", "2", "--input-len", "8", "--output-len", "2"])
