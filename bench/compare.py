@@ -18,6 +18,7 @@ the app with its engine left at the niceness Ray gives its workers (15) instead 
 opt-in `ours-separate-loop`: the app's handlers on an event loop of their own, Ray's
 default, instead of the loop where Ray receives the replica's requests; opt-in
 `ours-lean-serve`: every Ray process of the app with `LEAN_SERVE_ENV`; opt-in
+`ours-grpc`: Serve's proxy calling the replica over gRPC instead of actor calls; opt-in
 `ours-tokenize-inline`: every prompt tokenized on the replica's event loop, none on its
 tokenizer threads (`tokenize_inline_chars`); opt-in `ours-switch-0.5`: the replica's
 Python threads switching every 0.5 ms instead of 5 (`switch_interval_ms`).
