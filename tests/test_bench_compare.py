@@ -331,7 +331,7 @@ def test_compare_and_rounds_pass_burstiness_to_their_poisson_arrivals(tmp_path, 
     assert (row["workload"], row["burstiness"], row["completed"]) == ("random-poisson", 0.25, 6)
     assert row["request_rate"] == 40
     assert row["duration_s"] >= sb.arrival_gaps(5, 40, 0.25, seed=1).sum()
-    mean = row["ttft_split_mean_s"]                  # the engine's parts of each TTFT, as means: they add up
+    mean = row["ttft_split_mean_s"]                  # the engine's parts of each TTFT, as means: within its mean
     assert mean.keys() == row["ttft_split_p50_s"].keys() and "engine_prefill" in mean
     assert 0 < sum(mean.values()) <= row["ttft_mean_s"]
     rounds.main(["--tag", "b", "--results-dir", str(tmp_path), "--systems", "ours-bare-engine", "--rounds", "1",
