@@ -21,7 +21,9 @@ default, instead of the loop where Ray receives the replica's requests; opt-in
 `ours-grpc`: Serve's proxy calling the replica over gRPC instead of actor calls; opt-in
 `ours-tokenize-inline`: every prompt tokenized on the replica's event loop, none on its
 tokenizer threads (`tokenize_inline_chars`); opt-in `ours-switch-0.5`: the replica's
-Python threads switching every 0.5 ms instead of 5 (`switch_interval_ms`).
+Python threads switching every 0.5 ms instead of 5 (`switch_interval_ms`); opt-in
+`ours-no-token-cache`: every long prompt tokenized whole, none from the start it shares
+with a recent one (`prompt_token_cache_tokens: 0`; prefix and multi-turn).
 
 Every system gets the same requests from `serve_bench.py`, with EOS banned through
 `logit_bias` so each request produces exactly its output length. Workloads:
@@ -172,6 +174,8 @@ VARIANTS = {
     "ours-engine-threads-1": Variant("engine at OMP_NUM_THREADS=1", {"engine_threads": 1}, {"engine_threads": 1}),
     "ours-tokenize-inline": Variant("tokenized on the loop", {"tokenize_inline_chars": 1 << 30},
                                     {"tokenize_inline_chars": 1 << 30}, workloads=("random", "prefix")),
+    "ours-no-token-cache": Variant("prompt token cache off", {"prompt_token_cache_tokens": 0},
+                                   {"prompt_token_cache_tokens": 0}, workloads=("prefix", "multi-turn")),
     "ours-switch-0.5": Variant("0.5 ms thread switch interval", {"switch_interval_ms": 0.5},
                                {"switch_interval_ms": 0.5}, workloads=("random", "prefix")),
 }

@@ -15,6 +15,7 @@ from ray import serve
 
 from runtime import EngineConfig
 from runtime.models import default_model_path
+from runtime.prompt_token_cache import CAPACITY_TOKENS
 
 from .colocated import ColocatedServer
 from .ingress import OpenAIIngress
@@ -85,6 +86,13 @@ class AppArgs(BaseModel):
                              "or more (at most the host's CPU count): the Rust tokenizer releases "
                              "the GIL, so this many long prompts that arrive together tokenize at "
                              "once; the rest wait their turn")
+    prompt_token_cache_tokens: int = Field(
+        CAPACITY_TOKENS, ge=0, description="tokens of recent long prompts (2,048 characters or "
+                                           "more) each replica that answers HTTP keeps, so that a "
+                                           "prompt that begins like one of them is tokenized only "
+                                           "past the shared start (a system prompt or document "
+                                           "before each question, a chat's growing history); about "
+                                           "12 bytes a token besides the texts; 0 turns it off")
     switch_interval_ms: Optional[float] = Field(
         None, gt=0, description="Python's thread switch interval (sys.setswitchinterval) in each "
                                 "replica that answers HTTP or holds an engine: how long a thread "
@@ -198,6 +206,7 @@ def build_app(args: AppArgs) -> serve.Application:
         "max_prompt_tokens": args.max_prompt_tokens, "default_max_tokens": args.default_max_tokens,
         "retry_after_s": args.retry_after_s, "health_timeout_s": args.health_timeout_s,
         "tokenize_inline_chars": args.tokenize_inline_chars, "tokenize_threads": args.tokenize_threads,
+        "prompt_token_cache_tokens": args.prompt_token_cache_tokens,
         "switch_interval_ms": args.switch_interval_ms,
         "created": int(time.time()),
     }

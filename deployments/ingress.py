@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.models.loader import load_tokenizer
+from runtime.prompt_token_cache import CAPACITY_TOKENS, PromptTokenCache
 from runtime.structured_output import grammar_checked, reasoning_state, think_markers
 
 from .llm_client import LocalLLM, Overloaded, RemoteLLM
@@ -136,6 +137,10 @@ class OpenAIIngress:
         self._tokenize_pool = ThreadPoolExecutor(min(self.s["tokenize_threads"], os.cpu_count() or 1),
                                                  thread_name_prefix="tokenize")
         self.metrics = Metrics(self.model_name)
+        capacity = settings.get("prompt_token_cache_tokens", CAPACITY_TOKENS)
+        self.prompt_tokens = PromptTokenCache(self.tokenizer, capacity) if capacity else None
+        self.metrics.prompt_token_cache.cache = self.prompt_tokens
+        self._text_ids = self.prompt_tokens.encode if self.prompt_tokens else self.tokenizer.encode
         self._info: dict | None = None
 
     # -- plumbing -----------------------------------------------------------------------
@@ -215,8 +220,7 @@ class OpenAIIngress:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, make)
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._tokenize(partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens),
-                                    len(text))
+        return await self._tokenize(partial(self._text_ids, text, add_special_tokens=add_special_tokens), len(text))
 
     async def _chat_ids(self, messages: list, add_generation_prompt: bool, tools: list | None = None,
                         template_kwargs: dict | None = None, fmt: ResponseFormat | None = None) -> list[int]:
@@ -231,7 +235,8 @@ class OpenAIIngress:
                 f = fmt.json_schema
                 plain = show_format(plain, f.name, f.schema_, f.description)
         shown = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        make = partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown, template_kwargs)
+        make = partial(chat_prompt_ids, self.tokenizer, plain, add_generation_prompt, shown, template_kwargs,
+                       self._text_ids)
         try:
             return await self._tokenize(make, sum(len(m["content"]) for m in plain))
         except Exception as e:

@@ -129,6 +129,35 @@ class _StoreStats:
             yield g
 
 
+class _PromptTokenStats:
+    """The ingress's prompt token cache (runtime/prompt_token_cache.py): long prompts
+    tokenized only past the start they share with a recent one, and their tokens taken
+    from it. Nothing is reported without the cache."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.cache = None
+
+    def collect(self):
+        if self.cache is None:
+            return
+        stats = dict(self.cache.stats)
+        c = CounterMetricFamily(P + "prompt_token_cache_prompts", "Long prompts tokenized, by how: "
+                                "reused (from a cached prompt's start) or whole.", labels=["model_name", "how"])
+        for how in ("reused", "whole"):
+            c.add_metric([self.model_name, how], stats[how])
+        yield c
+        r = CounterMetricFamily(P + "prompt_token_cache_reused_tokens",
+                                "Prompt tokens taken from cached prompts instead of tokenized.", labels=["model_name"])
+        r.add_metric([self.model_name], stats["reused_tokens"])
+        yield r
+        g = GaugeMetricFamily(P + "prompt_token_cache_enabled",
+                              "1 while the prompt token cache is on (it turns off for good if a reuse was wrong).",
+                              labels=["model_name"])
+        g.add_metric([self.model_name], float(self.cache.enabled))
+        yield g
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -158,6 +187,8 @@ class Metrics:
         self.registry.register(self.replicas)
         self.store = _StoreStats(model_name)
         self.registry.register(self.store)
+        self.prompt_token_cache = _PromptTokenStats(model_name)
+        self.registry.register(self.prompt_token_cache)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

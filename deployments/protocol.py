@@ -554,11 +554,14 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    encode=None) -> list[int]:
     """The token ids the model's chat template makes of `messages` (and `tools`, in
     OpenAI's shape, for templates that show them; `template_kwargs`, such as Qwen3's
     `enable_thinking`, go to the template as variables). Raises whatever the template
-    raises for messages it rejects."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, **(template_kwargs or {}))
-    return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+    raises for messages it rejects. The rendered text is tokenized, without the special
+    tokens a tokenizer adds around a text (the template writes its own), by `encode`
+    (`encode(text, add_special_tokens)`, a `PromptTokenCache`'s, say) or the tokenizer."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, **(template_kwargs or {}))
+    return list((encode or tokenizer.encode)(text, add_special_tokens=False))

@@ -69,13 +69,14 @@ def test_a_variants_prefix_rows_are_compared_with_each_other():
 
 
 def test_numbered_app_variants_make_valid_app_arguments(tmp_path):
-    """`ours-tokenize-threads-N` and `ours-chunks-N` give the app their setting, as
-    arguments the app accepts; a name whose number does not parse is refused before
-    anything starts."""
+    """`ours-tokenize-threads-N`, `ours-chunks-N` and `ours-no-token-cache` give the app
+    their setting, as arguments the app accepts; a name whose number does not parse is
+    refused before anything starts."""
     from deployments.app import AppArgs
 
     for name, setting in (("ours-tokenize-threads-8", {"tokenize_threads": 8}),
-                          ("ours-chunks-0", {"max_stream_chunks_per_s": 0.0})):
+                          ("ours-chunks-0", {"max_stream_chunks_per_s": 0.0}),
+                          ("ours-no-token-cache", {"prompt_token_cache_tokens": 0})):
         v = compare.app_variant(name)
         assert v.setting == v.serve == setting
         args = AppArgs.model_validate(compare.our_app_config("m", {}, **v.serve)["args"])

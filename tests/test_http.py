@@ -225,6 +225,51 @@ def test_long_prompts_tokenized_off_the_loop_match(server, front, engine):
         assert r.choices[0].message.content == want.outputs[0].text
 
 
+def test_long_prompts_sharing_a_start_reuse_its_tokens(server, front, client, engine):
+    """A document before each of several questions, and a chat whose history grows by
+    a turn: the ingress tokenizes each only past the start it shares with an earlier one
+    (its `prompt_token_cache_*` metrics count the tokens it took), and every request
+    still gets its own prompt's tokens and the engine's greedy text."""
+    from runtime.prompt_token_cache import MIN_CHARS
+
+    url = server.urls[front]
+    words = "river baker clock lantern harbor meadow signal orchard".split()
+    doc = " ".join(f"{words[(j * 5) % 8]}{j % 13}" for j in range(400)) + "\n\n"
+    assert len(doc) > MIN_CHARS
+    def counts(text: str) -> dict[str, float]:
+        got = dict(re.findall(r'^mlx_paged_serve:prompt_token_cache_prompts_total{.*how="(\w+)".*} (\S+)$', text, re.M))
+        return {how: float(got.get(how, 0)) for how in ("reused", "whole")}
+
+    text = httpx.get(url + "/metrics").text
+    before, tokens_before = counts(text), metric(text, "prompt_token_cache_reused_tokens_total") or 0.0
+    prompts = [doc + q for q in ("Who keeps the mill?", "Where does the river go?", "When was the clock set?")]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    for p, want in zip(prompts, engine.generate(prompts, params)):
+        got = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": p}, timeout=60).json()
+        assert got["tokens"] == list(engine.tokenizer.encode(p))
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+        assert r.usage.prompt_tokens == got["count"] and r.choices[0].text == want.outputs[0].text
+    msgs = [{"role": "system", "content": doc}]
+    for q in ("Who keeps the mill?", "And the clock?"):
+        msgs.append({"role": "user", "content": q})
+        ids = list(engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+        got = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": msgs}, timeout=60).json()
+        assert got["tokens"] == ids
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+        want = engine.generate([ids], params)[0].outputs[0].text
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == want
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    text = httpx.get(url + "/metrics").text
+    assert metric(text, "prompt_token_cache_enabled") == 1.0
+    # Whole: the first question and the first chat turn (its template puts the document
+    # elsewhere). Reused: the other questions and turns, and each completion after its
+    # /tokenize twin, each at least the document's tokens.
+    after = counts(text)
+    assert (after["reused"] - before["reused"], after["whole"] - before["whole"]) == (8, 2)
+    doc_tokens = len(engine.tokenizer.encode(doc, add_special_tokens=False))
+    assert metric(text, "prompt_token_cache_reused_tokens_total") - tokens_before >= 8 * (doc_tokens - 40)
+
+
 def test_n_two(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
                                   temperature=1.0, seed=3)
