@@ -22,6 +22,7 @@ BPE over whole texts, as Llama 2's) are not cached at all. As a standing check, 
 `VERIFY_EVERY`-th reuse is compared with the prompt tokenized whole, and one difference
 turns the cache off for good (logged)."""
 
+import json
 import logging
 import threading
 from array import array
@@ -130,7 +131,6 @@ class PromptTokenCache:
         """Why this tokenizer cannot be cached, or None."""
         if self.backend is None:
             return "not a fast (Rust) tokenizer"
-        import json
         pre = self.backend.pre_tokenizer
         if pre is None or not cuts_text(json.loads(pre.__getstate__())):
             return "its pre-tokenizer does not cut the text into pieces"
