@@ -1,6 +1,7 @@
 """`PromptTokenCache` gives a prompt the tokens its tokenizer gives it whole, for the
 tokenizer layouts of the models people serve (trained here on the bundled corpus, with
-those models' pre-tokenizers, normalizers and special tokens), and reuses a shared start's
+those models' pre-tokenizers, normalizers and special tokens: GPT-2's, Llama 3's, Qwen 2's,
+gpt-oss's o200k regex, a Metaspace one, and the embedded model's), and reuses a shared start's
 tokens where the layout allows it."""
 
 import random
@@ -18,9 +19,13 @@ LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k's (gpt-oss): words cut at case changes, contractions kept on.
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL = ["<|begin|>", "<|im_start|>", "<|im_end|>", "<|eot|>"]
 CORPUS = (default_model_path().parent / "corpus.txt").read_text().split()
-EXTRA = ["'s", "'t", "don't", "12345", "3.14", "caf\u00e9", "\u4f60\u597d", "\U0001f642", "--", "...", "$x",
+EXTRA = ["'s", "'t", "don't", "McDonald's", "HTTPServer", "iPhone", "12345", "3.14", "caf\u00e9", "\u4f60\u597d", "\U0001f642", "--", "...", "$x",
          "\u03b1\u03b2\u03b3", "<|im_start|>", "<|im_end|>", "<|eot|>", "e\u0301"]
 SEPS = [" ", " ", " ", " ", "  ", "\n", "\n\n", "\t", " \n", "   ", ""]
 
@@ -67,6 +72,9 @@ LAYOUTS = {
     "qwen2": lambda: trained(pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), normalizer=normalizers.NFC()),
+    "o200k": lambda: trained(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
     "metaspace": lambda: trained(pre_tokenizers.Metaspace(prepend_scheme="always", split=True)),
 }
 
