@@ -28,7 +28,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Entry:
     ids: array          # tokens without the special ones the tokenizer adds around a text
     starts: array       # the characters each token covers
     ends: array
-    keys: list = field(default_factory=list)
+    keys: list[int]     # its anchors' keys in the index
 
 
 def _anchor_keys(text: str) -> list[int]:
