@@ -15,7 +15,7 @@ BPE tokenizers: GPT-2's, Llama 3's, Qwen's, gpt-oss's), and where those pieces a
 decided by the text just around it, so that the whole prompt is cut there as the cached
 one was. The cut lies at least `GUARD_CHARS` before the two texts part. The rest is then
 tokenized fresh from the cut, and must give, for the first `CHECK_TOKENS` tokens up to
-the guard, the same ids over the same characters as the cached tokenization did in
+the guard, the same ids ending at the same characters as the cached tokenization did in
 context; otherwise (a normalizer or added token reaching across the cut, say) the prompt
 is tokenized whole. Tokenizers whose pre-tokenizer does not cut the text (SentencePiece
 BPE over whole texts, as Llama 2's) are not cached at all. As a standing check, every
@@ -201,35 +201,43 @@ class PromptTokenCache:
         if shared == len(text) == len(e.text):
             self._count(len(e.ids))
             return e.ids.tolist()
-        limit = shared - GUARD_CHARS
-        kcut = bisect_right(e.ends, limit)          # e's tokens [0, kcut) end before the guard
+        kcut = bisect_right(e.ends, shared - GUARD_CHARS)   # e's tokens [0, kcut) end before the guard
+        found = self._cut(e, shared - GUARD_CHARS, kcut)
+        if found is None:
+            return None
+        cut, k0 = found
+        ids, offsets = self._encode_whole(text[cut:], False)
+        n = kcut - k0
+        # The same ids, ending at the same characters. Not the same starts: byte-level
+        # offsets leave a token's leading spaces out, but not at a text's very start,
+        # and put a token of spaces alone at either of its ends: such tokens are placed
+        # by their neighbours.
+        same = list(ids[:n]) == list(e.ids[k0:kcut]) and all(
+            o[1] + cut == e.ends[k0 + i] or o[0] == o[1] for i, o in enumerate(offsets[:n]))
+        if not same:
+            self._count(None)
+            return None
+        joined = e.ids[:k0]
+        joined.extend(ids)
+        if self._count(k0) and not self._verify(text, joined.tolist()):
+            return None
+        starts, ends = e.starts[:k0], e.ends[:k0]
+        starts.extend(o[0] + cut for o in offsets)
+        ends.extend(o[1] + cut for o in offsets)
+        self._store(text, joined, starts, ends, keys)
+        return joined.tolist()
+
+    def _cut(self, e: _Entry, limit: int, kcut: int) -> tuple[int, int] | None:
+        """The last place before `limit` where the pre-tokenizer cuts `e.text`, no token
+        of `e` crosses, and at least `CHECK_TOKENS` of `e`'s tokens lie before `kcut`:
+        (that character, the index of `e`'s first token past it); None if there is none."""
         start = max(0, limit - WINDOW_CHARS)
         pieces = self.backend.pre_tokenizer.pre_tokenize_str(e.text[start:limit])
         for _, (s, _) in reversed(pieces[1:]):      # the window's first piece may be cut short
             cut = start + s
             k0 = bisect_right(e.ends, cut)          # e's tokens [0, k0) end by the cut
-            if kcut - k0 < CHECK_TOKENS or e.starts[k0] < cut:
-                continue                            # too near the guard, or a token crosses the cut
-            ids, offsets = self._encode_whole(text[cut:], False)
-            n = kcut - k0
-            # The same ids, ending at the same characters. Not the same starts: byte-level
-            # offsets leave a token's leading spaces out, but not at a text's very start,
-            # and put a token of spaces alone at either of its ends: such tokens are
-            # placed by their neighbours.
-            same = list(ids[:n]) == list(e.ids[k0:kcut]) and all(
-                o[1] + cut == e.ends[k0 + i] or o[0] == o[1] for i, o in enumerate(offsets[:n]))
-            if not same:
-                self._count(None)
-                return None
-            joined = e.ids[:k0]
-            joined.extend(ids)
-            if self._count(k0) and not self._verify(text, joined.tolist()):
-                return None
-            starts, ends = e.starts[:k0], e.ends[:k0]
-            starts.extend(o[0] + cut for o in offsets)
-            ends.extend(o[1] + cut for o in offsets)
-            self._store(text, joined, starts, ends, keys)
-            return joined.tolist()
+            if kcut - k0 >= CHECK_TOKENS and e.starts[k0] >= cut:
+                return cut, k0
         return None
 
     def _count(self, reused_tokens: int | None) -> bool:
